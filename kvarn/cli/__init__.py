@@ -1,0 +1,41 @@
+"""The ``kvarn`` command line: thin argparse subcommands over library functions.
+
+Each subcommand lives in its own module of this package exposing ``add_parser(subparsers)``, which
+registers the subparser and sets ``func`` to a callable taking the parsed namespace and returning
+an exit code. Library code never sees the namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+SUBCOMMANDS = ("demo", "generate", "drift", "eval")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvarn", description="KVarN KV-cache quantization tools")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"{__name__}.{name}":
+                continue  # subcommand not installed in this build
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The KVarN tile codec: rotation, normalization, RTN, packing and the byte record (spec 1-4).
+
+Frames and layouts. Every stored value is in the rotated frame (``k' = k @ H``). A K tile is
+``[D, G]`` (rows = channels, quantized per channel over G tokens); a V tile is ``[G, D]`` (rows =
+tokens, quantized per token over D channels). Stored fields per (tile, KV head), all scales fp16:
+
+    k_codes     uint8 [D, G*kb/8]   K codes, channel-major, packed along tokens
+    k_row_scale fp16  [D]           sK = row_scale * step
+    k_row_zero  fp16  [D]           zK = row_scale * lo
+    k_col_scale fp16  [G]           rK = col_scale       K'[d,g] = (q*sK[d] + zK[d]) * rK[g]
+    v_codes     uint8 [G, D*vb/8]   V codes, token-major, packed along channels
+    v_col_scale fp16  [D]           cV = col_scale
+    v_row_scale fp16  [G]           sV = row_scale * step
+    v_row_zero  fp16  [G]           zV = row_scale * lo  V'[g,d] = (q*sV[g] + zV[g]) * cV[d]
+
+The byte record concatenates them in exactly that order (fp16 little-endian), zero-padded to a
+multiple of 8 bytes: D=G=128, k4v2 -> 8192 + 768 + 4096 + 768 = 13824 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .config import KVarNConfig, check_head_dim
+from .hadamard import rotate
+from .normalize import variance_normalize
+from .pack import pack_codes, unpack_codes
+from .quantize import dequantize_rows, rtn_rows
+
+FIELD_ORDER = (
+    "k_codes", "k_row_scale", "k_row_zero", "k_col_scale",
+    "v_codes", "v_col_scale", "v_row_scale", "v_row_zero",
+)
+
+
+@dataclass
+class TileFields:
+    """Stored fields of a batch of tiles; every tensor has the same leading dims ``[...]``."""
+
+    k_codes: torch.Tensor
+    k_row_scale: torch.Tensor
+    k_row_zero: torch.Tensor
+    k_col_scale: torch.Tensor
+    v_codes: torch.Tensor
+    v_col_scale: torch.Tensor
+    v_row_scale: torch.Tensor
+    v_row_zero: torch.Tensor
+
+    def map(self, fn) -> "TileFields":
+        return TileFields(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in FIELD_ORDER)
+
+
+def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float):
+    y, col_scale, row_scale = variance_normalize(x, iters)
+    codes, step, lo = rtn_rows(y, bits, quantile)
+    return (
+        pack_codes(codes, bits),
+        (row_scale * step).to(torch.float16),
+        (row_scale * lo).to(torch.float16),
+        col_scale.to(torch.float16),
+    )
+
+
+def encode_tiles(k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConfig) -> TileFields:
+    """Quantize rotated tiles. k_tiles: ``[..., D, G]``, v_tiles: ``[..., G, D]``, float32."""
+    k_tiles = k_tiles.to(torch.float32)
+    v_tiles = v_tiles.to(torch.float32)
+    kc, ks, kz, kr = _encode_one(k_tiles, config.key_bits, config.sinkhorn_iters, config.quantile)
+    vc, vs, vz, vcol = _encode_one(v_tiles, config.value_bits, config.sinkhorn_iters, config.quantile)
+    return TileFields(kc, ks, kz, kr, vc, vcol, vs, vz)
+
+
+def decode_tiles(t: TileFields, config: KVarNConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantize to float32 rotated tiles: ``(k [..., D, G], v [..., G, D])``."""
+    kq = unpack_codes(t.k_codes, config.key_bits)
+    k = dequantize_rows(kq, t.k_row_scale, t.k_row_zero) * t.k_col_scale.to(torch.float32)[..., None, :]
+    vq = unpack_codes(t.v_codes, config.value_bits)
+    v = dequantize_rows(vq, t.v_row_scale, t.v_row_zero) * t.v_col_scale.to(torch.float32)[..., None, :]
+    return k, v
+
+
+def fields_to_records(t: TileFields, config: KVarNConfig, head_dim: int) -> torch.Tensor:
+    """TileFields with leading dims ``[...]`` -> uint8 records ``[..., record_bytes]``."""
+    lead = t.k_codes.shape[:-2]
+    parts = [getattr(t, n).contiguous().view(torch.uint8).reshape(*lead, -1) for n in FIELD_ORDER]
+    raw = torch.cat(parts, dim=-1)
+    pad = config.record_bytes(head_dim) - raw.shape[-1]
+    return torch.nn.functional.pad(raw, (0, pad)) if pad else raw
+
+
+def records_to_fields(records: torch.Tensor, config: KVarNConfig, head_dim: int) -> TileFields:
+    """Inverse of :func:`fields_to_records`. records: uint8 ``[..., record_bytes]``."""
+    d, g = head_dim, config.tile
+    expected = config.record_bytes(d)
+    if records.dtype != torch.uint8 or records.shape[-1] != expected:
+        raise ValueError(
+            f"records must be uint8 [..., {expected}] for {config.name} at head_dim={d}, "
+            f"got {records.dtype} {tuple(records.shape)}"
+        )
+    lead = records.shape[:-1]
+    layout = [
+        ("k_codes", (d, g * config.key_bits // 8), torch.uint8),
+        ("k_row_scale", (d,), torch.float16), ("k_row_zero", (d,), torch.float16),
+        ("k_col_scale", (g,), torch.float16),
+        ("v_codes", (g, d * config.value_bits // 8), torch.uint8),
+        ("v_col_scale", (d,), torch.float16), ("v_row_scale", (g,), torch.float16),
+        ("v_row_zero", (g,), torch.float16),
+    ]
+    out, offset = {}, 0
+    for name, shape, dtype in layout:
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n * (2 if dtype == torch.float16 else 1)
+        chunk = records[..., offset:offset + nbytes].contiguous()
+        out[name] = chunk.view(dtype).reshape(*lead, *shape)
+        offset += nbytes
+    return TileFields(**out)
+
+
+def validate_kv(keys: torch.Tensor, values: torch.Tensor, tile: int | None = None) -> None:
+    """Raise TypeError/ValueError for anything the codec cannot store faithfully."""
+    for name, x in (("keys", keys), ("values", values)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must have rank 4 [B, H, T, D], got shape {tuple(x.shape)}")
+    if keys.shape != values.shape:
+        raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must have the same shape")
+    check_head_dim(keys.shape[-1])
+    if tile is not None and keys.shape[2] % tile:
+        raise ValueError(f"T={keys.shape[2]} tokens is not a multiple of the tile G={tile}")
+    for name, x in (("keys", keys), ("values", values)):
+        if x.numel() and not torch.isfinite(x).all():
+            raise ValueError(f"{name} contain NaN or Inf; the KV cache cannot quantize non-finite values")
+
+
+@dataclass
+class QuantizedKV:
+    """Packed KVarN tiles for keys/values of shape ``[B, H, T, D]``; fields have leading ``[B, H, T/G]``."""
+
+    tiles: TileFields
+    config: KVarNConfig
+    shape: tuple[int, int, int, int]
+    dtype: torch.dtype
+
+    @property
+    def head_dim(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def num_tiles(self) -> int:
+        b, h, t, _ = self.shape
+        return b * h * (t // self.config.tile)
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes, as padded records (spec section 4)."""
+        return self.num_tiles * self.config.record_bytes(self.head_dim)
+
+    def __getattr__(self, name):  # expose k_codes, v_row_scale, ... directly
+        if name in FIELD_ORDER:
+            return getattr(self.tiles, name)
+        raise AttributeError(name)
+
+    def to_records(self) -> torch.Tensor:
+        """uint8 ``[B, H, T/G, record_bytes]`` in the byte layout of spec section 4."""
+        return fields_to_records(self.tiles, self.config, self.head_dim)
+
+    @classmethod
+    def from_records(
+        cls, records: torch.Tensor, config: KVarNConfig, head_dim: int, dtype: torch.dtype = torch.float16
+    ) -> "QuantizedKV":
+        """Rebuild from uint8 records ``[B, H, T/G, record_bytes]``."""
+        if records.dim() != 4:
+            raise ValueError(f"records must be [B, H, T/G, bytes], got shape {tuple(records.shape)}")
+        b, h, n, _ = records.shape
+        tiles = records_to_fields(records, config, head_dim)
+        return cls(tiles, config, (b, h, n * config.tile, head_dim), dtype)
+
+
+def rotate_kv(x: torch.Tensor, config: KVarNConfig) -> torch.Tensor:
+    """``x @ H`` in the configured rotation dtype, returned as float32. x: ``[..., D]``."""
+    dt = torch.float16 if config.rotation_dtype == "float16" else torch.float32
+    return rotate(x, dt).to(torch.float32)
+
+
+def kv_to_tiles(k_rot: torch.Tensor, v_rot: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, H, T, D]`` rotated K/V -> K tiles ``[B, H, T/G, D, G]`` and V tiles ``[B, H, T/G, G, D]``."""
+    b, h, t, d = k_rot.shape
+    kt = k_rot.reshape(b, h, t // tile, tile, d).transpose(-1, -2)
+    vt = v_rot.reshape(b, h, t // tile, tile, d)
+    return kt, vt
+
+
+def tiles_to_kv(k_tiles: torch.Tensor, v_tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`kv_to_tiles`."""
+    b, h, n, d, g = k_tiles.shape
+    return k_tiles.transpose(-1, -2).reshape(b, h, n * g, d), v_tiles.reshape(b, h, n * g, d)
+
+
+def quantize_kv(keys: torch.Tensor, values: torch.Tensor, config: KVarNConfig) -> QuantizedKV:
+    """Quantize full tiles of K (after RoPE) and V. keys, values: ``[B, H, T, D]``, T a multiple of G."""
+    if not isinstance(config, KVarNConfig):
+        raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")
+    validate_kv(keys, values, config.tile)
+    kt, vt = kv_to_tiles(rotate_kv(keys, config), rotate_kv(values, config), config.tile)
+    return QuantizedKV(encode_tiles(kt, vt, config), config, tuple(keys.shape), keys.dtype)
+
+
+def dequantize_kv(qkv: QuantizedKV, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantize to ``[B, H, T, D]`` in the original dtype; un-rotated unless ``rotated=True``."""
+    k, v = tiles_to_kv(*decode_tiles(qkv.tiles, qkv.config))
+    if not rotated:
+        k, v = rotate(k), rotate(v)
+    return k.to(qkv.dtype), v.to(qkv.dtype)
