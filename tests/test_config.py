@@ -1,0 +1,72 @@
+import pytest
+
+from kvarn import PRESETS, KVarNConfig
+
+# Spec section 4: bytes per token per KV head.
+SPEC_BYTES = {
+    ("k2v2_g128", 128): 76, ("k4v2_g128", 128): 108, ("k4v4_g128", 128): 140,
+    ("k4v2_g64", 128): 114, ("k4v4_g64", 128): 146,
+}
+
+
+def test_presets_match_spec_table():
+    assert set(PRESETS) == {"k2v2_g128", "k4v2_g128", "k4v4_g128", "k2v2_g64", "k4v2_g64", "k4v4_g64"}
+    for name, cfg in PRESETS.items():
+        assert cfg.name == name
+        assert f"k{cfg.key_bits}v{cfg.value_bits}_g{cfg.tile}" == name
+        assert cfg.sinkhorn_iters == 8
+        assert cfg.sink_tokens == cfg.tile
+
+
+@pytest.mark.parametrize("key", sorted(SPEC_BYTES))
+def test_bytes_per_token_spec_figures(key):
+    name, d = key
+    assert KVarNConfig.from_name(name).bytes_per_token(d) == SPEC_BYTES[key]
+
+
+def test_record_bytes_example_and_ratios():
+    cfg = KVarNConfig.from_name("k4v2_g128")
+    assert cfg.record_bytes(128) == 13824
+    assert round(KVarNConfig.from_name("k2v2_g128").compression_ratio(128), 2) == 6.74
+    assert round(cfg.compression_ratio(128), 2) == 4.74
+    assert round(KVarNConfig.from_name("k4v4_g128").compression_ratio(128), 2) == 3.66
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_record_bytes_formula(name, d):
+    cfg = KVarNConfig.from_name(name)
+    g = cfg.tile
+    raw = d * g * cfg.key_bits // 8 + 4 * d + 2 * g + g * d * cfg.value_bits // 8 + 2 * d + 4 * g
+    assert cfg.record_bytes(d) == (raw + 7) // 8 * 8
+    assert cfg.record_bytes(d) % 8 == 0
+
+
+def test_unknown_preset_lists_valid_names():
+    with pytest.raises(ValueError, match="k4v2_g128") as e:
+        KVarNConfig.from_name("k3v3_g128")
+    assert "k3v3_g128" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [({"key_bits": 3}, "key_bits"), ({"value_bits": 1}, "value_bits"), ({"tile": 100}, "tile"),
+     ({"sinkhorn_iters": -1}, "sinkhorn_iters"), ({"sink_tokens": 10}, "sink_tokens"),
+     ({"quantile": 0.6}, "quantile"), ({"rotation_dtype": "bf16"}, "rotation_dtype")],
+)
+def test_bad_config_names_the_field(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        KVarNConfig(**kwargs)
+
+
+def test_overrides_and_frozen():
+    cfg = KVarNConfig.from_name("k2v2_g128", sinkhorn_iters=16, sink_tokens=256)
+    assert (cfg.sinkhorn_iters, cfg.sink_tokens, cfg.key_bits) == (16, 256, 2)
+    with pytest.raises(Exception):
+        cfg.tile = 64  # frozen
+
+
+@pytest.mark.parametrize("d", [48, 96, 100, 8])
+def test_unsupported_head_dim(d):
+    with pytest.raises(ValueError, match=f"head_dim={d}"):
+        KVarNConfig().record_bytes(d)
