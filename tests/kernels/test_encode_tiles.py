@@ -1,0 +1,105 @@
+"""Triton ``encode_tiles`` against the torch codec (kvarn.codec.encode_tiles).
+
+Codes are compared exactly up to the documented reduction-order allowance (at most 0.01% of codes,
+each by one step); fp16 scales within one ulp. When two normalization iterates score the same
+imbalance up to fp32 rounding, the kernel may keep the other one: then a tile's row and column scales
+move by reciprocal factors and only their products, the dequantized tile, must agree.
+"""
+
+import pytest
+import torch
+
+from kvarn.codec import decode_tiles, encode_tiles as torch_encode, fields_to_records
+from kvarn.config import KVarNConfig
+from kvarn.pack import unpack_codes
+
+from kernel_data import rotated_tiles, synthetic_kv
+from kernel_data import HAS_CUDA
+
+kernels = pytest.importorskip("kvarn.kernels", reason="triton is not importable")
+
+
+def _ulp16(x: torch.Tensor) -> torch.Tensor:
+    a = x.abs().clamp_min(2.0 ** -14)
+    return torch.exp2(torch.floor(torch.log2(a)) - 10)
+
+
+def _within_ulp(a, b):
+    a, b = a.float(), b.float()
+    return (a - b).abs() <= _ulp16(torch.maximum(a.abs(), b.abs()))
+
+
+def compare(out, ref, config):
+    """Returns (code flips, codes, tiles whose scales moved together); asserts everything else."""
+    flips, total = 0, 0
+    for name, bits in (("k_codes", config.key_bits), ("v_codes", config.value_bits)):
+        a, b = unpack_codes(getattr(out, name), bits).int(), unpack_codes(getattr(ref, name), bits).int()
+        assert (a - b).abs().max() <= 1, f"{name}: a code moved by more than one step"
+        flips += int((a != b).sum())
+        total += a.numel()
+    lead = out.k_codes.shape[:-2]
+    ok = torch.ones(lead, dtype=torch.bool, device=out.k_codes.device)
+    for name in ("k_row_scale", "k_row_zero", "k_col_scale", "v_col_scale", "v_row_scale", "v_row_zero"):
+        ok &= _within_ulp(getattr(out, name), getattr(ref, name)).all(-1)
+    # Tiles whose iterate differs: the dequantized tiles must still agree to fp16 rounding.
+    ka, va = decode_tiles(out, config)
+    kb, vb = decode_tiles(ref, config)
+    for a, b in ((ka, kb), (va, vb)):
+        scale = b.abs().amax(dim=(-1, -2), keepdim=True)
+        err = ((a - b).abs() / scale).amax(dim=(-1, -2))
+        worst = err[~ok].max().item() if (~ok).any() else 0.0
+        assert worst <= 4e-3, f"dequantized tiles differ by {worst:.2e} of their range"
+    return flips, total, int((~ok).sum())
+
+
+@pytest.mark.parametrize("bits", [(2, 2), (4, 2), (4, 4), (8, 4)])
+def test_encode_small(bits, kdevice):
+    cfg = KVarNConfig(key_bits=bits[0], value_bits=bits[1], tile=64, sinkhorn_iters=4)
+    k, v = synthetic_kv(1, 2, 64, 64, kdevice, seed=bits[0] * 10 + bits[1])
+    kt, vt = rotated_tiles(k, v, cfg)  # [1, 2, 1, 64, 64]; kt is a transposed view
+    out = kernels.encode_tiles(kt, vt, cfg)
+    ref = torch_encode(kt, vt, cfg)
+    flips, total, moved = compare(out, ref, cfg)
+    assert flips <= max(1, int(1e-4 * total))
+
+
+def test_encode_writes_records_in_place(kdevice):
+    cfg = KVarNConfig(key_bits=4, value_bits=2, tile=64, sinkhorn_iters=2)
+    k, v = synthetic_kv(1, 1, 128, 64, kdevice, seed=3)
+    kt, vt = rotated_tiles(k, v, cfg)  # [1, 1, 2, D, G]
+    records = torch.full((1, 1, 3, cfg.record_bytes(64)), 7, dtype=torch.uint8, device=kdevice)
+    view = kernels.record_fields_view(records[:, :, 1:], cfg, 64)
+    out = kernels.encode_tiles(kt, vt, cfg, out=view)
+    assert out is view
+    assert torch.equal(records[:, :, 1:], fields_to_records(kernels.encode_tiles(kt, vt, cfg), cfg, 64))
+    assert (records[:, :, 0] == 7).all()  # untouched slot
+
+
+def test_encode_errors(kdevice, monkeypatch):
+    cfg = KVarNConfig(tile=64)
+    kt = torch.randn(2, 64, 64, device=kdevice)
+    with pytest.raises(ValueError, match="quantile"):
+        kernels.encode_tiles(kt, kt, KVarNConfig(tile=64, quantile=0.01))
+    with pytest.raises(ValueError, match="G=64"):
+        kernels.encode_tiles(kt, kt, KVarNConfig(tile=128))
+    with pytest.raises(TypeError):
+        kernels.encode_tiles(kt, kt, "k4v2_g64")
+    if not HAS_CUDA:  # no silent fallback: CPU tensors outside the interpreter are refused
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="CUDA"):
+            kernels.encode_tiles(kt, kt, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["k2v2_g128", "k4v2_g128", "k4v4_g128", "k4v2_g64"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_encode_full(name, d):
+    cfg = KVarNConfig.from_name(name)
+    k, v = synthetic_kv(4, 8, 4 * cfg.tile, d, "cuda", seed=d)
+    kt, vt = rotated_tiles(k, v, cfg)  # 128 tiles of K and of V
+    out = kernels.encode_tiles(kt, vt, cfg)
+    ref = torch_encode(kt, vt, cfg)
+    flips, total, moved = compare(out, ref, cfg)
+    assert flips <= 1e-4 * total, f"{flips} of {total} codes differ"
+    assert moved <= 0.25 * kt.shape[:-2].numel() * 2
