@@ -1,0 +1,240 @@
+"""``KVarNCache``: a transformers ``Cache`` that stores K/V with a kvarn method (spec section 5).
+
+One layer object per decoder layer: a :class:`~kvarn.cache.layer.KVarNLayer` for full attention
+(and for sliding-window attention when ``quantize_sliding_window=True``), transformers' own
+``DynamicSlidingWindowLayer`` (full precision) for sliding-window or chunked attention otherwise.
+Any other layer type (linear attention, mamba, conv, ...) raises ``ValueError``.
+
+Left padding. Each row's sink and tiles start at its first real token, so pads never enter a tile or
+a scale. The cache learns the padding from the prefill's ``attention_mask``: pass it explicitly
+(``attention_mask=`` or :meth:`KVarNCache.set_padding`), or, when built from a model, let a forward
+pre-hook read it from the model's first call with this cache (the hook then removes itself).
+Only left padding is accepted (``0...0 1...1`` per row).
+
+Methods (``method=``; every one uses the same tiles, sink and tail, see :mod:`kvarn.methods`):
+
+- ``fp16``: no quantization; token for token identical to transformers' ``DynamicCache``.
+- ``kvarn``: KVarN (Muller et al., arXiv 2606.03458): Hadamard rotation, dual-axis variance
+  normalization, per-channel K / per-token V round-to-nearest.
+- ``kivi``: KIVI (Liu et al., ICML 2024, arXiv 2402.02750): per-channel keys, per-token values.
+- ``rtn``: plain asymmetric round-to-nearest per token for keys and values.
+- ``quarot``: QuaRot-style (Ashkboos et al., NeurIPS 2024, arXiv 2404.00456): Hadamard + per-token RTN.
+- ``hkivi``: the KVarN paper's "HK" ablation: Hadamard rotation + KIVI.
+- ``varn``: the KVarN paper's "VarN" ablation: variance normalization without rotation.
+- ``fp8``: FP8 e4m3 with an fp16 per-token scale (vLLM's fp8 KV-cache format).
+
+Memory. :meth:`KVarNCache.memory_report` counts what is stored: encoded tiles at their format's
+bytes (kvarn records padded to 8 bytes as in spec section 4; methods without normalization store no
+column scales), sink and tail at the model dtype's size (so an fp32 model's full-precision parts
+count 4 bytes per element), and sliding-window layers as transformers holds them.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import replace, fields as dc_fields
+
+import torch
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+
+from ..config import KVarNConfig, check_head_dim
+from ..methods import TileCodec, get_method
+from .layer import KVarNLayer, _memory
+
+logger = logging.getLogger(__name__)
+
+FULL_TYPES = ("full_attention",)
+SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+class _Padding:
+    pads: list[int] | None = None
+
+
+def _text_config(model_or_config):
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    return config
+
+
+def layer_types_of(config) -> list[tuple[str, int | None]]:
+    """``[(layer_type, sliding_window or None)]`` per cached layer; ValueError for unsupported types."""
+    n = getattr(config, "num_hidden_layers", None)
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types is None:
+        if n is None:
+            raise ValueError("the model config has neither layer_types nor num_hidden_layers")
+        use_window = window is not None and getattr(config, "use_sliding_window", True)
+        chunk = getattr(config, "attention_chunk_size", None)
+        kind = "sliding_attention" if use_window else "chunked_attention" if chunk else "full_attention"
+        types = [kind] * n
+    shared = getattr(config, "num_kv_shared_layers", None) or 0
+    if shared:
+        types = types[:-shared]
+    out = []
+    for i, kind in enumerate(types):
+        if kind in FULL_TYPES:
+            out.append((kind, None))
+        elif kind in SLIDING_TYPES:
+            w = window if kind == "sliding_attention" else getattr(config, "attention_chunk_size", None)
+            out.append((kind, w))
+        else:
+            raise ValueError(
+                f"layer {i} has type {kind!r}, which KVarNCache does not support: it caches only softmax "
+                f"attention layers with a K/V cache ({', '.join(FULL_TYPES + SLIDING_TYPES)})"
+            )
+    return out
+
+
+def pads_from_mask(attention_mask: torch.Tensor) -> list[int]:
+    """Left-padding lengths from a ``[B, L]`` 0/1 mask; ValueError unless every row is ``0..0 1..1``."""
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        raise ValueError("attention_mask must be a 2-D tensor [batch, length] of 0/1")
+    m = attention_mask.to(torch.bool).cpu()
+    pads = (~m).long().cumprod(dim=1).sum(dim=1)
+    ok = m.sum(dim=1) == m.shape[1] - pads
+    if not bool(ok.all()):
+        row = int((~ok).nonzero()[0])
+        raise ValueError(
+            f"attention_mask row {row} is not left-padded (0...0 1...1); KVarNCache supports left padding only"
+        )
+    return pads.tolist()
+
+
+class KVarNCache(Cache):
+    """A transformers ``Cache`` quantizing K/V with a kvarn method, for ``model.generate``.
+
+    model_or_config: a transformers model or its config (layer types, sliding windows), or None
+        (layers created lazily, all full attention).
+    method: one of :data:`kvarn.methods.METHODS` (``fp16``, ``kvarn``, ``kivi``, ``rtn``, ``quarot``,
+        ``hkivi``, ``varn``, ``fp8``).
+    preset: a preset name of :data:`kvarn.PRESETS` or a :class:`KVarNConfig`.
+    attention_mask: the prefill's ``[B, L]`` mask, for left padding (else read from the model's call).
+    overrides: KVarNConfig fields (``tile``, ``sink_tokens``, ``sinkhorn_iters``,
+        ``quantize_sliding_window``, ...).
+    """
+
+    def __init__(self, model_or_config=None, method: str = "kvarn", preset: str | KVarNConfig = "k2v2_g128",
+                 *, attention_mask: torch.Tensor | None = None, **overrides):
+        self.method = get_method(method)
+        self.config = _make_config(preset, overrides)
+        self.codec = TileCodec(self.method, self.config)
+        self._padding = _Padding()
+        self._hook = None
+        self._model_ref = None
+        if attention_mask is not None:
+            self._padding.pads = pads_from_mask(attention_mask)
+        if model_or_config is None:
+            super().__init__(layer_class_to_replicate=lambda: KVarNLayer(self.codec, self._padding))
+            return
+        text = _text_config(model_or_config)
+        layers = []
+        for kind, window in layer_types_of(text):
+            if kind in SLIDING_TYPES and not self.config.quantize_sliding_window:
+                layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+            else:
+                layers.append(KVarNLayer(self.codec, self._padding, is_sliding=kind in SLIDING_TYPES))
+        head_dim = getattr(text, "head_dim", None)
+        if head_dim is None and getattr(text, "num_attention_heads", None):
+            head_dim = text.hidden_size // text.num_attention_heads
+        if head_dim is not None and any(isinstance(layer, KVarNLayer) for layer in layers):
+            check_head_dim(int(head_dim))
+        super().__init__(layers=layers)
+        if isinstance(model_or_config, torch.nn.Module):
+            self._model_ref = weakref.ref(model_or_config)
+            if attention_mask is None:
+                self._install_hook()
+
+    # padding ------------------------------------------------------------------------------------
+    def set_padding(self, attention_mask: torch.Tensor | None) -> None:
+        """Declare the prefill's left padding (``[B, L]`` 0/1 mask, or None for none)."""
+        if any(getattr(layer, "is_initialized", False) for layer in self.layers):
+            raise ValueError("set_padding must be called before the first forward with this cache")
+        self._padding.pads = None if attention_mask is None else pads_from_mask(attention_mask)
+
+    def _install_hook(self) -> None:
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is None or self._hook is not None:
+            return
+        cache_ref = weakref.ref(self)
+
+        def hook(module, args, kwargs):
+            cache = cache_ref()
+            if cache is None:
+                handle.remove()
+                return None
+            if kwargs.get("past_key_values") is not cache or cache.get_seq_length() > 0:
+                return None
+            mask = kwargs.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                cache.set_padding(mask)
+            handle.remove()
+            cache._hook = None
+            return None
+
+        handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        self._hook = handle
+
+    def reset(self):
+        super().reset()
+        self._padding.pads = None
+        self._install_hook()
+
+    # state --------------------------------------------------------------------------------------
+    def freeze(self) -> None:
+        """Declare every cached token accepted and encode all complete tiles now."""
+        for layer in self.layers:
+            if isinstance(layer, KVarNLayer) and layer.is_initialized:
+                layer.freeze()
+
+    def memory_report(self) -> dict:
+        """Bytes actually stored, per layer and in total.
+
+        Per layer and in ``total``: ``tokens`` (real tokens held, summed over rows),
+        ``quantized_tiles`` (tile x KV-head records), ``quantized_bytes`` (encoded tiles: codes and
+        scales, kvarn records padded as in spec section 4), ``full_precision_bytes`` (sink, tail,
+        sliding-window layers and unquantized tiles, in the model dtype), ``total_bytes``,
+        ``fp16_equivalent_bytes`` (the same tokens as fp16 K and V), ``compression_ratio``
+        (fp16-equivalent over total) and ``reserved_bytes`` (allocated buffer capacity).
+        """
+        layers = []
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, KVarNLayer):
+                entry = layer.memory()
+                kind = "quantized"
+            else:
+                keys = getattr(layer, "keys", None)
+                n = 0 if keys is None or keys.dim() < 4 else keys.numel() * 2
+                esize = 0 if keys is None else keys.element_size()
+                tokens = 0 if not n else keys.shape[0] * keys.shape[2]
+                entry = _memory(0, n * esize, tokens, n * 2, n * esize)
+                kind = "full_precision_sliding"
+            layers.append({"layer": i, "kind": kind, **entry})
+        keys = ("tokens", "quantized_tiles", "quantized_bytes", "full_precision_bytes",
+                "fp16_equivalent_bytes", "reserved_bytes")
+        sums = {k: sum(entry[k] for entry in layers) for k in keys}
+        total = _memory(sums["quantized_bytes"], sums["full_precision_bytes"], sums["tokens"],
+                        sums["fp16_equivalent_bytes"], sums["reserved_bytes"], sums["quantized_tiles"])
+        return {"method": self.method.name, "preset": self.config.name,
+                "sink_tokens": self.config.sink_tokens, "total": total, "layers": layers}
+
+    def __repr__(self):
+        return f"KVarNCache(method={self.method.name!r}, config={self.config!r}, layers={len(self.layers)})"
+
+
+def _make_config(preset, overrides) -> KVarNConfig:
+    valid = {f.name for f in dc_fields(KVarNConfig)}
+    bad = sorted(set(overrides) - valid)
+    if bad:
+        raise ValueError(f"unknown KVarNCache option(s) {bad}; valid config fields: {sorted(valid)}")
+    if isinstance(preset, KVarNConfig):
+        return replace(preset, **overrides) if overrides else preset
+    if not isinstance(preset, str):
+        raise TypeError(f"preset must be a preset name or a KVarNConfig, got {type(preset).__name__}")
+    return KVarNConfig.from_name(preset, **overrides)
+
+
+__all__ = ["KVarNCache", "layer_types_of", "pads_from_mask"]

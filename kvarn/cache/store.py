@@ -1,0 +1,159 @@
+"""Growable, per-row storage of encoded tiles for one cache layer.
+
+Every stored field is one preallocated tensor ``[B, Hk, capacity, *per_tile_shape]``; row ``b`` uses
+slots ``0 .. count[b]-1`` (rows may hold different numbers of tiles: left padding shifts where a
+row's tiles start). Capacity doubles when a row needs more slots, so appending a tile never copies
+the history. Unused slots are zeros, which decode to zeros.
+
+Fields per (row, KV head, tile), by method format (see :mod:`kvarn.methods`):
+
+- integer methods (kvarn, kivi, rtn, quarot, hkivi, varn): the :class:`kvarn.codec.TileFields`
+  ``k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_col_scale, v_row_scale, v_row_zero``
+  (K tile ``[D, G]`` for per-channel keys, ``[G, D]`` for per-token keys);
+- ``fp8``: ``k_fp8 [G, D]`` float8_e4m3fn, ``k_scale [G]`` fp16, and the same for V;
+- ``fp16`` (no quantization): ``k_fp8``/``v_fp8`` hold the K/V tile ``[G, D]`` in the model dtype
+  (the field name is the one :class:`kvarn.methods.EncodedKV` uses).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..codec import FIELD_ORDER, TileFields
+from ..methods import EncodedKV, TileCodec
+
+_FLOAT_FIELDS = ("k_fp8", "k_scale", "v_fp8", "v_scale")
+
+
+_COL_FIELDS = ("k_col_scale", "v_col_scale")
+
+
+def _split(enc: EncodedKV, g: int) -> dict[str, torch.Tensor]:
+    """EncodedKV of ``[M, Hk, n*G, D]`` -> fields ``[M, Hk, n, *per_tile]``.
+
+    Methods without normalization have column scales of exactly 1: they are not stored.
+    """
+    if enc.tiles is not None:
+        return {
+            name: getattr(enc.tiles, name) for name in FIELD_ORDER
+            if enc.method.normalize or name not in _COL_FIELDS
+        }
+    out = {}
+    for name in _FLOAT_FIELDS:
+        x = getattr(enc, name)
+        if x is not None:
+            m, h, t = x.shape[:3]
+            out[name] = x.reshape(m, h, t // g, g, *x.shape[3:])
+    return out
+
+
+def _join(fields: dict[str, torch.Tensor], enc_template: EncodedKV, shape: tuple[int, ...]) -> EncodedKV:
+    """Fields ``[B, Hk, n, *per_tile]`` -> EncodedKV of ``[B, Hk, n*G, D]`` (for TileCodec.decode)."""
+    b, h, t, _ = shape
+    if enc_template.tiles is not None:
+        full = dict(fields)
+        for name in _COL_FIELDS:
+            if name not in full:  # the unit column scales that were not stored
+                like = getattr(enc_template.tiles, name)
+                full[name] = like.new_ones(b, h, t // enc_template.shape[2], like.shape[-1])
+        return EncodedKV(enc_template.method, shape, 0, tiles=TileFields(**full))
+    flat = {name: x.reshape(b, h, t, *x.shape[4:]) for name, x in fields.items()}
+    return EncodedKV(enc_template.method, shape, 0, **flat)
+
+
+class TileStore:
+    """Encoded tiles of one layer, per row. Encode with :meth:`append`, read with :meth:`decode`."""
+
+    def __init__(self, codec: TileCodec, batch: int, heads: int, head_dim: int, device: torch.device):
+        self.codec = codec
+        self.batch, self.heads, self.head_dim, self.device = batch, heads, head_dim, device
+        self.counts = [0] * batch
+        self.fields: dict[str, torch.Tensor] | None = None
+        self._template: EncodedKV | None = None
+        self.capacity = 0
+
+    # stored bytes -------------------------------------------------------------------------------
+    def bytes_per_tile_head(self) -> int:
+        """Stored bytes of one (tile, KV head): the fields' own bytes; kvarn pads to its record size."""
+        if self.fields is None:
+            return 0
+        raw = sum(x[0, 0, 0].numel() * x.element_size() for x in self.fields.values())
+        if self.codec.method.name == "kvarn":
+            return self.codec.config.record_bytes(self.head_dim)
+        return raw
+
+    @property
+    def num_tile_heads(self) -> int:
+        return sum(self.counts) * self.heads
+
+    def stored_bytes(self) -> int:
+        return self.num_tile_heads * self.bytes_per_tile_head()
+
+    def reserved_bytes(self) -> int:
+        if self.fields is None:
+            return 0
+        return sum(x.numel() * x.element_size() for x in self.fields.values())
+
+    # writing ------------------------------------------------------------------------------------
+    def _grow(self, need: int) -> None:
+        new = max(need, 2 * self.capacity, 4)
+        for name, x in self.fields.items():
+            y = x.new_zeros(x.shape[0], x.shape[1], new, *x.shape[3:])
+            y[:, :, : self.capacity] = x
+            self.fields[name] = y
+        self.capacity = new
+
+    def append(self, rows: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Encode ``M`` complete tiles and store tile ``m`` as the next slot of row ``rows[m]``.
+
+        keys, values: ``[M, Hk, G, D]`` in the model frame and dtype.
+        """
+        enc = self.codec.encode(keys, values)
+        new = {name: x[:, :, 0] for name, x in _split(enc, self.codec.config.tile).items()}
+        if self.fields is None:
+            self._template = enc
+            self.fields = {
+                name: x.new_zeros(self.batch, self.heads, 0, *x.shape[2:]) for name, x in new.items()
+            }
+        slots = []
+        for b in rows:
+            slots.append(self.counts[b])
+            self.counts[b] += 1
+        if max(self.counts) > self.capacity:
+            self._grow(max(self.counts))
+        r = torch.tensor(rows, device=self.device)
+        s = torch.tensor(slots, device=self.device)
+        for name, x in new.items():
+            self.fields[name][r, :, s] = x
+
+    # reading ------------------------------------------------------------------------------------
+    def decode(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` slots of every row (default: the largest count), dequantized.
+
+        Returns ``(keys, values)`` float32 ``[B, Hk, n*G, D]`` in the model frame.
+        """
+        n = max(self.counts) if n is None else n
+        g, d = self.codec.config.tile, self.head_dim
+        shape = (self.batch, self.heads, n * g, d)
+        if n == 0 or self.fields is None:
+            empty = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            return empty, empty.clone()
+        view = {name: x[:, :, :n] for name, x in self.fields.items()}
+        return self.codec.decode(_join(view, self._template, shape))
+
+    def view(self) -> dict[str, torch.Tensor]:
+        """Read-only views of the used slots: fields ``[B, Hk, max(count), *per_tile]``."""
+        if self.fields is None:
+            return {}
+        n = max(self.counts)
+        return {name: x[:, :, :n] for name, x in self.fields.items()}
+
+    # batch reordering ---------------------------------------------------------------------------
+    def select(self, index: torch.Tensor) -> None:
+        """Rows become ``rows[index]`` (beam reorder, repeat or select); index: long ``[B']``."""
+        idx = index.tolist()
+        self.counts = [self.counts[i] for i in idx]
+        self.batch = len(idx)
+        if self.fields is not None:
+            index = index.to(self.device)
+            self.fields = {name: x.index_select(0, index) for name, x in self.fields.items()}
