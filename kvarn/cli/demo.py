@@ -15,10 +15,22 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-PROMPT = (
-    "A farmer has 17 sheep. All but 9 run away. He then buys three times as many sheep as he has "
-    "left, and sells 5. How many sheep does he have now? Reason step by step."
-)
+SHOTS = 4  # worked GSM8K examples before the question: a ~500-token prompt, so several tiles freeze
+
+
+def default_prompt(shots: int = SHOTS) -> str:
+    """A few-shot GSM8K prompt: long enough that the cache holds quantized tiles from the prompt on."""
+    import re
+
+    from kvarn.eval import load_task
+
+    records = load_task("gsm8k")
+    parts = []
+    for r in records[:shots]:
+        worked = re.sub(r"<<[^>]*>>", "", r["solution"]).replace("####", "The answer is")
+        parts.append(f"Question: {r['question']}\nAnswer: {worked}")
+    parts.append(f"Question: {records[shots]['question']}\nAnswer: reason step by step, then give the answer.")
+    return "\n\n".join(parts)
 EXCERPT = Path(__file__).resolve().parents[1] / "data" / "wikitext_excerpt.txt"
 
 
@@ -27,8 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--preset", default="k2v2_g128", help="preset for the generation comparison")
     p.add_argument("--methods", nargs="+", default=["fp16", "kivi", "kvarn"])
-    p.add_argument("--max-new-tokens", type=int, default=300)
-    p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--prompt", default=None, help="default: a 4-shot GSM8K prompt")
     p.add_argument("--kv-tokens", type=int, default=512, help="tokens of real KV for the reconstruction tables")
     p.add_argument("--out", type=Path, default=None, help="also write demo.json here")
     p.set_defaults(func=_run)
@@ -78,11 +90,12 @@ def _run(args) -> int:
     from kvarn.generation import compare, render_table
 
     model, tokenizer = models.load(args.model)
+    prompt = args.prompt or default_prompt()
     logger.info("generating %d tokens with %s at %s", args.max_new_tokens, ", ".join(args.methods), args.preset)
-    result = compare(model, tokenizer, args.prompt, methods=args.methods, preset=args.preset,
+    result = compare(model, tokenizer, prompt, methods=args.methods, preset=args.preset,
                      max_new_tokens=args.max_new_tokens)
     print(f"\n## Generation on {args.model}, preset {args.preset}, greedy, {args.max_new_tokens} new tokens\n")
-    print(f"Prompt: {args.prompt}\n")
+    print(f"Prompt ({result['runs'][0]['prompt_tokens']} tokens, ends with): ...{prompt[-300:]}\n")
     print(render_table(result))
     for r in result["runs"]:
         print(f"\n### {r['method']}\n{r['text'].strip()}")
