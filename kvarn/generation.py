@@ -38,12 +38,16 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> dict:
 @torch.no_grad()
 def run(model, tokenizer, prompt: str, method: str = "kvarn", preset: str = "k2v2_g128",
         max_new_tokens: int = 256, *, chat: bool = True, do_sample: bool = False,
-        overrides: dict | None = None, **generate_kwargs) -> dict:
+        overrides: dict | None = None, decoded_cache: bool = True, **generate_kwargs) -> dict:
     """Generate with one method. Returns ``{"method", "preset", "config", "text", "token_ids",
-    "prompt_tokens", "new_tokens", "seconds", "tokens_per_second", "memory"}``."""
+    "prompt_tokens", "new_tokens", "seconds", "tokens_per_second", "memory"}``.
+
+    ``decoded_cache`` keeps frozen tiles dequantized once (see :class:`kvarn.KVarNCache`): same
+    tokens, much faster on CPU; the memory report counts it apart as ``decoded_cache_bytes``.
+    """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    cache = KVarNCache(model, method, preset, **(overrides or {}))
+    cache = KVarNCache(model, method, preset, decoded_cache=decoded_cache, **(overrides or {}))
     inputs = encode_prompt(tokenizer, prompt, chat)
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in inputs.items()}

@@ -25,9 +25,10 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = _check(bits, codes.shape[-1])
     if per_byte == 1:
         return codes.to(torch.uint8).contiguous()
-    c = codes.to(torch.int32).reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
-    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
-    return (c << shifts).sum(-1).to(torch.uint8)
+    # uint8 throughout: the shifted codes occupy disjoint bits, so their sum is their bitwise OR.
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
+    return (c << shifts).sum(-1, dtype=torch.uint8)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -35,6 +36,6 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = _check(bits, 8 // bits)
     if per_byte == 1:
         return packed.to(torch.uint8).contiguous()
-    shifts = torch.arange(per_byte, device=packed.device, dtype=torch.int32) * bits
-    c = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
-    return c.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte).to(torch.uint8)
+    shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
+    c = (packed.to(torch.uint8).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return c.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)

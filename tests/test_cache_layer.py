@@ -209,3 +209,23 @@ def test_unsupported_layer_type_raises():
     assert [type(layer).__name__ for layer in cache.layers] == ["KVarNLayer", "DynamicSlidingWindowLayer", "KVarNLayer"]
     cache = KVarNCache(config, "kvarn", quantize_sliding_window=True)
     assert [layer.is_sliding for layer in cache.layers] == [False, True, False]
+
+
+@pytest.mark.parametrize("method", ["kvarn", "kivi", "fp8"])
+def test_decoded_cache_reads_the_same_history(method):
+    """The optional dequantized working copy returns what re-decoding the packed tiles returns."""
+    from kvarn.cache import KVarNCache
+
+    torch.manual_seed(0)
+    caches = [KVarNCache(None, method, "k4v2_g64", tile=32, sink_tokens=32, decoded_cache=flag) for flag in (False, True)]
+    outs = [[], []]
+    steps = [torch.randn(2, 2, 70, 64)] + [torch.randn(2, 2, 1, 64) for _ in range(40)]
+    for x in steps:
+        for i, cache in enumerate(caches):
+            outs[i].append(cache.update(x, -x, 0))
+    for (k0, v0), (k1, v1) in zip(*outs):
+        torch.testing.assert_close(k1, k0, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(v1, v0, rtol=1e-6, atol=1e-6)
+    plain, fast = (c.memory_report()["total"] for c in caches)
+    assert fast["total_bytes"] == plain["total_bytes"] and plain["decoded_cache_bytes"] == 0
+    assert fast["decoded_cache_bytes"] >= 4 * 2 * 2 * 64 * 2 * caches[1].layers[0].num_tiles[0] * 32

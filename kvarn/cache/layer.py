@@ -59,9 +59,11 @@ class LayerView:
     tail_lengths: torch.Tensor       # [B]
 
 
-def _memory(quantized_bytes, full_precision_bytes, tokens, fp16_equivalent_bytes, reserved_bytes, quantized_tiles=0):
+def _memory(quantized_bytes, full_precision_bytes, tokens, fp16_equivalent_bytes, reserved_bytes, quantized_tiles=0,
+            decoded_cache_bytes=0):
     total = quantized_bytes + full_precision_bytes
     return {
+        "decoded_cache_bytes": decoded_cache_bytes,
         "tokens": tokens,
         "quantized_tiles": quantized_tiles,
         "quantized_bytes": quantized_bytes,
@@ -80,8 +82,9 @@ class KVarNLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = True
 
-    def __init__(self, codec: TileCodec, padding=None, is_sliding: bool = False):
+    def __init__(self, codec: TileCodec, padding=None, is_sliding: bool = False, decoded_cache: bool = False):
         super().__init__()
+        self.decoded_cache = decoded_cache
         self.codec = codec
         self.tile = codec.config.tile
         self.sink_tokens = codec.config.sink_tokens
@@ -106,7 +109,7 @@ class KVarNLayer(CacheLayerMixin):
         self.sink_k = key_states.new_zeros(b, h, self.sink_tokens, d)
         self.sink_v = torch.zeros_like(self.sink_k)
         self.sink_len = [0] * b
-        self.store = TileStore(self.codec, b, h, d, self.device)
+        self.store = TileStore(self.codec, b, h, d, self.device, decoded_cache=self.decoded_cache)
         self.tail_k = key_states.new_zeros(b, h, 2 * self.tile, d)
         self.tail_v = torch.zeros_like(self.tail_k)
         self.tail_len = [0] * b
@@ -281,6 +284,7 @@ class KVarNLayer(CacheLayerMixin):
             fp16_equivalent_bytes=(fp_tokens + tile_tokens) * per_token * 2,
             reserved_bytes=reserved,
             quantized_tiles=self.store.num_tile_heads,
+            decoded_cache_bytes=self.store.decoded_cache_bytes(),
         )
 
     # rollback and batch reordering --------------------------------------------------------------

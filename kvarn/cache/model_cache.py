@@ -113,12 +113,15 @@ class KVarNCache(Cache):
         ``hkivi``, ``varn``, ``fp8``).
     preset: a preset name of :data:`kvarn.PRESETS` or a :class:`KVarNConfig`.
     attention_mask: the prefill's ``[B, L]`` mask, for left padding (else read from the model's call).
+    decoded_cache: keep each frozen tile's dequantized float32 K/V (a working copy of the reference
+        read path, decoded once when the tile freezes) instead of re-decoding the history every
+        step. Faster on CPU; reported as ``decoded_cache_bytes``, apart from the stored bytes.
     overrides: KVarNConfig fields (``tile``, ``sink_tokens``, ``sinkhorn_iters``,
         ``quantize_sliding_window``, ...).
     """
 
     def __init__(self, model_or_config=None, method: str = "kvarn", preset: str | KVarNConfig = "k2v2_g128",
-                 *, attention_mask: torch.Tensor | None = None, **overrides):
+                 *, attention_mask: torch.Tensor | None = None, decoded_cache: bool = False, **overrides):
         self.method = get_method(method)
         self.config = _make_config(preset, overrides)
         self.codec = TileCodec(self.method, self.config)
@@ -128,7 +131,8 @@ class KVarNCache(Cache):
         if attention_mask is not None:
             self._padding.pads = pads_from_mask(attention_mask)
         if model_or_config is None:
-            super().__init__(layer_class_to_replicate=lambda: KVarNLayer(self.codec, self._padding))
+            super().__init__(layer_class_to_replicate=lambda: KVarNLayer(self.codec, self._padding,
+                                                                         decoded_cache=decoded_cache))
             return
         text = _text_config(model_or_config)
         layers = []
@@ -136,7 +140,8 @@ class KVarNCache(Cache):
             if kind in SLIDING_TYPES and not self.config.quantize_sliding_window:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=window))
             else:
-                layers.append(KVarNLayer(self.codec, self._padding, is_sliding=kind in SLIDING_TYPES))
+                layers.append(KVarNLayer(self.codec, self._padding, is_sliding=kind in SLIDING_TYPES,
+                                         decoded_cache=decoded_cache))
         head_dim = getattr(text, "head_dim", None)
         if head_dim is None and getattr(text, "num_attention_heads", None):
             head_dim = text.hidden_size // text.num_attention_heads
@@ -198,7 +203,8 @@ class KVarNCache(Cache):
         scales, kvarn records padded as in spec section 4), ``full_precision_bytes`` (sink, tail,
         sliding-window layers and unquantized tiles, in the model dtype), ``total_bytes``,
         ``fp16_equivalent_bytes`` (the same tokens as fp16 K and V), ``compression_ratio``
-        (fp16-equivalent over total) and ``reserved_bytes`` (allocated buffer capacity).
+        (fp16-equivalent over total), ``reserved_bytes`` (allocated buffer capacity) and
+        ``decoded_cache_bytes`` (the optional dequantized working copy; not part of ``total_bytes``).
         """
         layers = []
         for i, layer in enumerate(self.layers):
@@ -214,10 +220,11 @@ class KVarNCache(Cache):
                 kind = "full_precision_sliding"
             layers.append({"layer": i, "kind": kind, **entry})
         keys = ("tokens", "quantized_tiles", "quantized_bytes", "full_precision_bytes",
-                "fp16_equivalent_bytes", "reserved_bytes")
+                "fp16_equivalent_bytes", "reserved_bytes", "decoded_cache_bytes")
         sums = {k: sum(entry[k] for entry in layers) for k in keys}
         total = _memory(sums["quantized_bytes"], sums["full_precision_bytes"], sums["tokens"],
-                        sums["fp16_equivalent_bytes"], sums["reserved_bytes"], sums["quantized_tiles"])
+                        sums["fp16_equivalent_bytes"], sums["reserved_bytes"], sums["quantized_tiles"],
+                        sums["decoded_cache_bytes"])
         return {"method": self.method.name, "preset": self.config.name,
                 "sink_tokens": self.config.sink_tokens, "total": total, "layers": layers}
 

@@ -64,8 +64,14 @@ def _join(fields: dict[str, torch.Tensor], enc_template: EncodedKV, shape: tuple
 class TileStore:
     """Encoded tiles of one layer, per row. Encode with :meth:`append`, read with :meth:`decode`."""
 
-    def __init__(self, codec: TileCodec, batch: int, heads: int, head_dim: int, device: torch.device):
+    def __init__(self, codec: TileCodec, batch: int, heads: int, head_dim: int, device: torch.device,
+                 decoded_cache: bool = False):
         self.codec = codec
+        # Tiles are immutable, so the reference read path may keep each tile's dequantized float32
+        # K/V from the moment it is frozen instead of re-decoding the whole history every step.
+        # This is a working copy for CPU speed, reported apart from the stored bytes.
+        self.decoded_cache = decoded_cache
+        self._dec: tuple[torch.Tensor, torch.Tensor] | None = None
         self.batch, self.heads, self.head_dim, self.device = batch, heads, head_dim, device
         self.counts = [0] * batch
         self.fields: dict[str, torch.Tensor] | None = None
@@ -94,6 +100,10 @@ class TileStore:
             return 0
         return sum(x.numel() * x.element_size() for x in self.fields.values())
 
+    def decoded_cache_bytes(self) -> int:
+        """Bytes of the optional dequantized working copy (0 when ``decoded_cache`` is off)."""
+        return 0 if self._dec is None else sum(x.numel() * x.element_size() for x in self._dec)
+
     # writing ------------------------------------------------------------------------------------
     def _grow(self, need: int) -> None:
         new = max(need, 2 * self.capacity, 4)
@@ -101,6 +111,16 @@ class TileStore:
             y = x.new_zeros(x.shape[0], x.shape[1], new, *x.shape[3:])
             y[:, :, : self.capacity] = x
             self.fields[name] = y
+        if self.decoded_cache:
+            g = self.codec.config.tile
+            old = self._dec
+            self._dec = tuple(
+                torch.zeros(self.batch, self.heads, new * g, self.head_dim, dtype=torch.float32, device=self.device)
+                for _ in range(2)
+            )
+            if old is not None:
+                for o, n_ in zip(old, self._dec):
+                    n_[:, :, : o.shape[2]] = o
         self.capacity = new
 
     def append(self, rows: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -125,6 +145,12 @@ class TileStore:
         s = torch.tensor(slots, device=self.device)
         for name, x in new.items():
             self.fields[name][r, :, s] = x
+        if self.decoded_cache:
+            g = self.codec.config.tile
+            dk, dv = self.codec.decode(enc)  # [M, Hk, G, D]: only the new tiles
+            for m, (b, slot) in enumerate(zip(rows, slots)):
+                self._dec[0][b, :, slot * g:(slot + 1) * g] = dk[m]
+                self._dec[1][b, :, slot * g:(slot + 1) * g] = dv[m]
 
     # reading ------------------------------------------------------------------------------------
     def decode(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +164,8 @@ class TileStore:
         if n == 0 or self.fields is None:
             empty = torch.zeros(shape, dtype=torch.float32, device=self.device)
             return empty, empty.clone()
+        if self.decoded_cache:
+            return self._dec[0][:, :, : n * g], self._dec[1][:, :, : n * g]
         view = {name: x[:, :, :n] for name, x in self.fields.items()}
         return self.codec.decode(_join(view, self._template, shape))
 
@@ -157,3 +185,5 @@ class TileStore:
         if self.fields is not None:
             index = index.to(self.device)
             self.fields = {name: x.index_select(0, index) for name, x in self.fields.items()}
+            if self._dec is not None:
+                self._dec = tuple(x.index_select(0, index) for x in self._dec)

@@ -39,6 +39,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--preset", default="k2v2_g128", help="preset for the generation comparison")
     p.add_argument("--methods", nargs="+", default=["fp16", "kivi", "kvarn"])
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="model dtype; the full-precision sink and tail are stored in it")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--prompt", default=None, help="default: a 4-shot GSM8K prompt")
     p.add_argument("--kv-tokens", type=int, default=512, help="tokens of real KV for the reconstruction tables")
@@ -89,12 +91,15 @@ def _run(args) -> int:
     from kvarn import PRESETS, models
     from kvarn.generation import compare, render_table
 
-    model, tokenizer = models.load(args.model)
+    import torch
+
+    model, tokenizer = models.load(args.model, dtype=getattr(torch, args.dtype))
     prompt = args.prompt or default_prompt()
     logger.info("generating %d tokens with %s at %s", args.max_new_tokens, ", ".join(args.methods), args.preset)
     result = compare(model, tokenizer, prompt, methods=args.methods, preset=args.preset,
                      max_new_tokens=args.max_new_tokens)
-    print(f"\n## Generation on {args.model}, preset {args.preset}, greedy, {args.max_new_tokens} new tokens\n")
+    print(f"\n## Generation on {args.model} ({args.dtype}), preset {args.preset}, greedy, "
+          f"{args.max_new_tokens} new tokens\n")
     print(f"Prompt ({result['runs'][0]['prompt_tokens']} tokens, ends with): ...{prompt[-300:]}\n")
     print(render_table(result))
     for r in result["runs"]:
