@@ -23,6 +23,16 @@ Methods (``method=``; every one uses the same tiles, sink and tail, see :mod:`kv
 - ``varn``: the KVarN paper's "VarN" ablation: variance normalization without rotation.
 - ``fp8``: FP8 e4m3 with an fp16 per-token scale (vLLM's fp8 KV-cache format).
 
+Two more baselines are transformers' own quantized cache layers (:data:`HF_METHODS`), not kvarn
+codecs: ``hf-quanto`` (``QuantoQuantizedLayer``, optimum-quanto) and ``hf-hqq`` (``HQQQuantizedLayer``,
+hqq). They keep transformers' policy, not kvarn's tiles: the prompt is quantized at prefill, new
+tokens go to a full-precision residual of ``tile`` tokens, and whenever it fills the whole cache is
+dequantized and quantized again; groups of 64 elements along axis 0, transformers' default (quanto:
+64 channels of one token, for K and V alike; hqq: strided groups, see :data:`HF_METHODS`); one bit
+width for K and V (``k2v2_*`` or ``k4v4_*``); no sink; pads quantized like tokens; sliding-window
+layers stay in full precision. ``decoded_cache`` is ignored. Memory counts their packed codes,
+scales and shifts/zeros as ``quantized_bytes`` and the residual as ``full_precision_bytes``.
+
 Memory. :meth:`KVarNCache.memory_report` counts what is stored: encoded tiles at their format's
 bytes (kvarn records padded to 8 bytes as in spec section 4; methods without normalization store no
 column scales), sink and tail at the model dtype's size (so an fp32 model's full-precision parts
@@ -36,10 +46,10 @@ import weakref
 from dataclasses import replace, fields as dc_fields
 
 import torch
-from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, QuantizedLayer
 
 from ..config import KVarNConfig, check_head_dim
-from ..methods import TileCodec, get_method
+from ..methods import METHODS, Method, TileCodec, get_method
 from .layer import KVarNLayer, _memory
 
 logger = logging.getLogger(__name__)
@@ -50,6 +60,93 @@ SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
 class _Padding:
     pads: list[int] | None = None
+
+
+HF_GROUP = 64  # q_group_size of transformers' quantized layers (its default)
+
+#: transformers' own quantized cache layers, as extra baselines; not kvarn codecs (no TileCodec).
+HF_METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("hf-quanto", False, False, False, "int",
+           "transformers QuantizedCache with optimum-quanto (per-token K and V in groups of 64 channels, "
+           "quanto axis 0; re-quantizes the whole cache whenever its fp residual of `tile` tokens fills; no sink)"),
+    Method("hf-hqq", False, False, False, "int",
+           "transformers QuantizedCache with HQQ (axis 0 as transformers uses it: the flattened K or V is "
+           "viewed as [64, -1], so each group takes 64 elements strided numel/64 apart; HQQ-optimized "
+           "zero/scale; re-quantizes the whole cache whenever its fp residual of `tile` tokens fills; no sink)"),
+)}
+
+
+def _get_any_method(name) -> Method:
+    if isinstance(name, Method):
+        return name
+    if isinstance(name, str) and name in HF_METHODS:
+        return HF_METHODS[name]
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; valid kvarn methods: {sorted(METHODS)}; "
+                         f"transformers baselines: {sorted(HF_METHODS)}")
+    return get_method(name)
+
+
+def _hf_layer_factory(method: Method, config: KVarNConfig):
+    """A no-argument constructor of the transformers quantized layer for ``method``."""
+    if config.key_bits != config.value_bits:
+        raise ValueError(
+            f"method {method.name!r} uses one bit width for K and V, but preset {config.name!r} has "
+            f"key_bits={config.key_bits}, value_bits={config.value_bits}; use a k2v2_* or k4v4_* preset"
+        )
+    if config.quantize_sliding_window:
+        raise ValueError(f"method {method.name!r} cannot quantize sliding-window layers "
+                         "(transformers' quantized layers are full-attention only)")
+    from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
+
+    # axis 0 for both, transformers' default. quanto: rows of 64 contiguous elements, i.e. 64 channels of
+    # one token. hqq: a [64, -1] view (strided groups); its axis 1 (contiguous groups) packs along the
+    # group count and fails when that is not a multiple of 8 / nbits, so it is not usable here.
+    cls = QuantoQuantizedLayer if method.name == "hf-quanto" else HQQQuantizedLayer
+    kw = dict(nbits=config.key_bits, axis_key=0, axis_value=0, q_group_size=HF_GROUP,
+              residual_length=config.tile)
+    cls(**kw)  # fail now (missing backend, unsupported bits), not at the first forward
+    return lambda: cls(**kw)
+
+
+def _hf_memory(layer: QuantizedLayer) -> dict:
+    """Stored bytes of a transformers quantized layer: packed codes + scales/shifts, fp residual."""
+    if not layer.is_initialized:
+        return _memory(0, 0, 0, 0, 0)
+    qbytes = elements = 0
+    rows = 0
+    for q in (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)):
+        if q is None:
+            continue
+        if isinstance(q, tuple):  # hqq: (packed uint8 codes, meta with scale and zero)
+            codes, meta = q
+            qbytes += _nbytes(codes) + _nbytes(meta.get("scale")) + _nbytes(meta.get("zero"))
+            shape = meta["shape"]
+        else:  # quanto WeightQBitsTensor: _data (PackedTensor of uint8), _scale, _shift
+            data = q._data
+            qbytes += _nbytes(getattr(data, "_data", data)) + _nbytes(q._scale) + _nbytes(q._shift)
+            shape = q.shape
+        elements += _numel(shape)
+        rows = shape[0] * shape[2]
+    fp_bytes = 0
+    for t in (layer.keys, layer.values):
+        if isinstance(t, torch.Tensor) and t.dim() == 4:
+            fp_bytes += _nbytes(t)
+            elements += t.numel()
+    if isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4:
+        rows += layer.keys.shape[0] * layer.keys.shape[2]
+    return _memory(qbytes, fp_bytes, rows, elements * 2, qbytes + fp_bytes)
+
+
+def _nbytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _text_config(model_or_config):
@@ -110,7 +207,8 @@ class KVarNCache(Cache):
     model_or_config: a transformers model or its config (layer types, sliding windows), or None
         (layers created lazily, all full attention).
     method: one of :data:`kvarn.methods.METHODS` (``fp16``, ``kvarn``, ``kivi``, ``rtn``, ``quarot``,
-        ``hkivi``, ``varn``, ``fp8``).
+        ``hkivi``, ``varn``, ``fp8``) or of :data:`HF_METHODS` (``hf-quanto``, ``hf-hqq``: transformers'
+        quantized layers; one bit width for K and V, no sink, ``decoded_cache`` ignored).
     preset: a preset name of :data:`kvarn.PRESETS` or a :class:`KVarNConfig`.
     attention_mask: the prefill's ``[B, L]`` mask, for left padding (else read from the model's call).
     decoded_cache: keep each frozen tile's dequantized float32 K/V (a working copy of the reference
@@ -122,12 +220,15 @@ class KVarNCache(Cache):
 
     def __init__(self, model_or_config=None, method: str = "kvarn", preset: str | KVarNConfig = "k2v2_g128",
                  *, attention_mask: torch.Tensor | None = None, decoded_cache: bool = False, **overrides):
-        self.method = get_method(method)
-        self.config = _make_config(preset, overrides)
-        self.codec = TileCodec(self.method, self.config)
+        self.method = _get_any_method(method)
         self._padding = _Padding()
         self._hook = None
         self._model_ref = None
+        if self.method.name in HF_METHODS:
+            self._init_hf(model_or_config, preset, overrides, attention_mask)
+            return
+        self.config = _make_config(preset, overrides)
+        self.codec = TileCodec(self.method, self.config)
         if attention_mask is not None:
             self._padding.pads = pads_from_mask(attention_mask)
         if model_or_config is None:
@@ -152,6 +253,30 @@ class KVarNCache(Cache):
             self._model_ref = weakref.ref(model_or_config)
             if attention_mask is None:
                 self._install_hook()
+
+    def _init_hf(self, model_or_config, preset, overrides, attention_mask) -> None:
+        """Layers of transformers' quantized cache (``hf-quanto`` / ``hf-hqq``): no sink, no tiles."""
+        if overrides.get("sink_tokens"):
+            raise ValueError(f"method {self.method.name!r} has no full-precision sink; "
+                             f"got sink_tokens={overrides['sink_tokens']}")
+        self.config = _make_config(preset, {**overrides, "sink_tokens": 0})
+        self.codec = None
+        if attention_mask is not None:  # validated; pads are quantized like tokens, as in transformers
+            self._padding.pads = pads_from_mask(attention_mask)
+        make = _hf_layer_factory(self.method, self.config)
+        if model_or_config is None:
+            super().__init__(layer_class_to_replicate=make)
+            return
+        text = _text_config(model_or_config)
+        layers = [DynamicSlidingWindowLayer(sliding_window=window) if kind in SLIDING_TYPES else make()
+                  for kind, window in layer_types_of(text)]
+        head_dim = getattr(text, "head_dim", None)
+        if head_dim is None and getattr(text, "num_attention_heads", None):
+            head_dim = text.hidden_size // text.num_attention_heads
+        if head_dim is not None and int(head_dim) % HF_GROUP:
+            raise ValueError(f"method {self.method.name!r} quantizes groups of {HF_GROUP} channels; "
+                             f"head_dim={head_dim} is not a multiple of {HF_GROUP}")
+        super().__init__(layers=layers)
 
     # padding ------------------------------------------------------------------------------------
     def set_padding(self, attention_mask: torch.Tensor | None) -> None:
@@ -211,6 +336,9 @@ class KVarNCache(Cache):
             if isinstance(layer, KVarNLayer):
                 entry = layer.memory()
                 kind = "quantized"
+            elif isinstance(layer, QuantizedLayer):
+                entry = _hf_memory(layer)
+                kind = "quantized_hf"
             else:
                 keys = getattr(layer, "keys", None)
                 n = 0 if keys is None or keys.dim() < 4 else keys.numel() * 2
@@ -244,4 +372,4 @@ def _make_config(preset, overrides) -> KVarNConfig:
     return KVarNConfig.from_name(preset, **overrides)
 
 
-__all__ = ["KVarNCache", "layer_types_of", "pads_from_mask"]
+__all__ = ["HF_METHODS", "KVarNCache", "layer_types_of", "pads_from_mask"]

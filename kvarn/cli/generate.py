@@ -12,17 +12,25 @@ import json
 import sys
 
 
+# transformers' quantized caches (kvarn.cache.model_cache.HF_METHODS), named here so that building the
+# parser does not import transformers; tests/test_cache_hf_baselines.py checks the two agree.
+HF_BASELINES = ("hf-hqq", "hf-quanto")
+
+
 def add_parser(subparsers) -> None:
     from kvarn.methods import METHODS
+
+    choices = sorted(METHODS) + list(HF_BASELINES)
 
     p = subparsers.add_parser("generate", help="generate text with a quantized KV cache",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", help="the user prompt (wrapped in the chat template when the model has one)")
     p.add_argument("--model", default="smollm2-135m", help="bundled model name or local HF folder")
-    p.add_argument("--method", default="kvarn", choices=sorted(METHODS))
-    p.add_argument("--preset", default="k2v2_g128", help="k2v2_g128, k4v2_g128, k4v4_g128, *_g64")
+    p.add_argument("--method", default="kvarn", choices=choices)
+    p.add_argument("--preset", default="k2v2_g128",
+                   help="k2v2_g128, k4v2_g128, k4v4_g128, *_g64 (hf-* methods: k2v2_* or k4v4_* only)")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--compare", default=None, choices=sorted(METHODS), help="also run this method and compare")
+    p.add_argument("--compare", default=None, choices=choices, help="also run this method and compare")
     p.add_argument("--sink-tokens", type=int, default=None, help="full-precision sink S (default: one tile)")
     p.add_argument("--tile", type=int, default=None, help="override the preset's tile size G")
     p.add_argument("--quantize-sliding-window", action="store_true", help="also quantize sliding-window layers")
