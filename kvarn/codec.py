@@ -19,6 +19,7 @@ multiple of 8 bytes: D=G=128, k4v2 -> 8192 + 768 + 4096 + 768 = 13824 bytes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -94,17 +95,10 @@ def fields_to_records(t: TileFields, config: KVarNConfig, head_dim: int) -> torc
     return torch.nn.functional.pad(raw, (0, pad)) if pad else raw
 
 
-def records_to_fields(records: torch.Tensor, config: KVarNConfig, head_dim: int) -> TileFields:
-    """Inverse of :func:`fields_to_records`. records: uint8 ``[..., record_bytes]``."""
+def record_layout(config: KVarNConfig, head_dim: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """``(field, per-tile shape, dtype)`` in record order (spec section 4)."""
     d, g = head_dim, config.tile
-    expected = config.record_bytes(d)
-    if records.dtype != torch.uint8 or records.shape[-1] != expected:
-        raise ValueError(
-            f"records must be uint8 [..., {expected}] for {config.name} at head_dim={d}, "
-            f"got {records.dtype} {tuple(records.shape)}"
-        )
-    lead = records.shape[:-1]
-    layout = [
+    return [
         ("k_codes", (d, g * config.key_bits // 8), torch.uint8),
         ("k_row_scale", (d,), torch.float16), ("k_row_zero", (d,), torch.float16),
         ("k_col_scale", (g,), torch.float16),
@@ -112,16 +106,40 @@ def records_to_fields(records: torch.Tensor, config: KVarNConfig, head_dim: int)
         ("v_col_scale", (d,), torch.float16), ("v_row_scale", (g,), torch.float16),
         ("v_row_zero", (g,), torch.float16),
     ]
+
+
+def record_field_views(records: torch.Tensor, config: KVarNConfig, head_dim: int) -> TileFields:
+    """uint8 ``[..., record_bytes]`` (byte axis contiguous) -> TileFields of views into it, no copy.
+
+    Every field is a byte range of the record; fp16 fields reinterpret their (even-aligned) bytes.
+    """
+    expected = config.record_bytes(head_dim)
+    if records.dtype != torch.uint8 or records.shape[-1] != expected:
+        raise ValueError(
+            f"records must be uint8 [..., {expected}] for {config.name} at head_dim={head_dim}, "
+            f"got {records.dtype} {tuple(records.shape)}"
+        )
+    if records.stride(-1) != 1:
+        raise ValueError("records must be contiguous along the byte axis")
     out, offset = {}, 0
-    for name, shape, dtype in layout:
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * (2 if dtype == torch.float16 else 1)
-        chunk = records[..., offset:offset + nbytes].contiguous()
-        out[name] = chunk.view(dtype).reshape(*lead, *shape)
+    for name, shape, dtype in record_layout(config, head_dim):
+        nbytes = math.prod(shape) * (2 if dtype == torch.float16 else 1)
+        chunk = records[..., offset:offset + nbytes]
+        if dtype == torch.float16:
+            chunk = chunk.view(torch.float16)
+        out[name] = chunk.unflatten(-1, shape) if len(shape) > 1 else chunk
         offset += nbytes
     return TileFields(**out)
+
+
+def records_to_fields(records: torch.Tensor, config: KVarNConfig, head_dim: int) -> TileFields:
+    """Inverse of :func:`fields_to_records`: contiguous copies of every field.
+
+    records: uint8 ``[..., record_bytes]``.
+    """
+    if isinstance(records, torch.Tensor) and records.dim() and records.stride(-1) != 1:
+        records = records.contiguous()
+    return record_field_views(records, config, head_dim).map(lambda x: x.contiguous())
 
 
 def validate_kv(keys: torch.Tensor, values: torch.Tensor, tile: int | None = None) -> None:

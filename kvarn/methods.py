@@ -26,11 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import TileFields, _encode_one, rotate_kv, validate_kv
+from .codec import TileFields, _encode_one, decode_tiles, rotate_kv, validate_kv
 from .config import KVarNConfig
 from .hadamard import rotate
-from .pack import unpack_codes
-from .quantize import dequantize_rows
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -146,11 +144,7 @@ class TileCodec:
             return enc.k_fp8.to(torch.float32), enc.v_fp8.to(torch.float32)
         if m.fmt == "fp8":
             return _fp8_decode(enc.k_fp8, enc.k_scale), _fp8_decode(enc.v_fp8, enc.v_scale)
-        f = enc.tiles
-        k = dequantize_rows(unpack_codes(f.k_codes, c.key_bits), f.k_row_scale, f.k_row_zero)
-        k = k * f.k_col_scale.to(torch.float32)[..., None, :]
-        v = dequantize_rows(unpack_codes(f.v_codes, c.value_bits), f.v_row_scale, f.v_row_zero)
-        v = v * f.v_col_scale.to(torch.float32)[..., None, :]
+        k, v = decode_tiles(enc.tiles, c)
         if m.key_per_channel:
             k = k.transpose(-1, -2)
         k, v = k.reshape(b, h, t, d), v.reshape(b, h, t, d)

@@ -1,8 +1,8 @@
 """Where the kernels may run, and strided views of tile fields.
 
 A record buffer ``uint8 [..., record_bytes]`` (spec section 4) can be seen as a :class:`TileFields`
-of strided views without copying: each field is a byte range of the record, fp16 fields reinterpret
-their (even-aligned) bytes. Kernels read and write such views in place, so a cache can keep one
+of strided views without copying (:func:`kvarn.codec.record_field_views`, re-exported here as
+``record_fields_view``). Kernels read and write such views in place, so a cache can keep one
 preallocated record buffer and flush into it directly.
 """
 
@@ -13,6 +13,8 @@ import os
 import torch
 
 from ..codec import FIELD_ORDER, TileFields
+from ..codec import record_field_views as record_fields_view
+from ..codec import record_layout
 from ..config import KVarNConfig
 
 
@@ -36,46 +38,11 @@ def check_device(*tensors: torch.Tensor) -> None:
         )
 
 
-def field_shapes(config: KVarNConfig, head_dim: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    d, g = head_dim, config.tile
-    return [
-        ("k_codes", (d, g * config.key_bits // 8), torch.uint8),
-        ("k_row_scale", (d,), torch.float16), ("k_row_zero", (d,), torch.float16),
-        ("k_col_scale", (g,), torch.float16),
-        ("v_codes", (g, d * config.value_bits // 8), torch.uint8),
-        ("v_col_scale", (d,), torch.float16), ("v_row_scale", (g,), torch.float16),
-        ("v_row_zero", (g,), torch.float16),
-    ]
-
-
-def record_fields_view(records: torch.Tensor, config: KVarNConfig, head_dim: int) -> TileFields:
-    """uint8 ``[..., record_bytes]`` (last axis contiguous) -> TileFields of views into it."""
-    if records.dtype != torch.uint8 or records.shape[-1] != config.record_bytes(head_dim):
-        raise ValueError(
-            f"records must be uint8 [..., {config.record_bytes(head_dim)}], got {records.dtype} {tuple(records.shape)}"
-        )
-    if records.stride(-1) != 1:
-        raise ValueError("records must be contiguous along the byte axis")
-    lead = records.shape[:-1]
-    out, offset = {}, 0
-    for name, shape, dtype in field_shapes(config, head_dim):
-        n = 1
-        for s in shape:
-            n *= s
-        nbytes = n * (2 if dtype == torch.float16 else 1)
-        chunk = records[..., offset:offset + nbytes]
-        if dtype == torch.float16:
-            chunk = chunk.view(torch.float16)
-        out[name] = chunk.unflatten(-1, shape) if len(shape) > 1 else chunk
-        offset += nbytes
-    return TileFields(**out)
-
-
 def empty_fields(lead: tuple[int, ...], config: KVarNConfig, head_dim: int, device) -> TileFields:
     """Uninitialized contiguous TileFields with leading dims ``lead``."""
     return TileFields(**{
         name: torch.empty(*lead, *shape, dtype=dtype, device=device)
-        for name, shape, dtype in field_shapes(config, head_dim)
+        for name, shape, dtype in record_layout(config, head_dim)
     })
 
 
@@ -90,7 +57,7 @@ def lead_strides(t: torch.Tensor, n_lead: int, inner: int) -> tuple[int, ...]:
 
 
 def check_fields(t: TileFields, lead: tuple[int, ...], config: KVarNConfig, head_dim: int) -> None:
-    for name, shape, dtype in field_shapes(config, head_dim):
+    for name, shape, dtype in record_layout(config, head_dim):
         x = getattr(t, name)
         if tuple(x.shape) != (*lead, *shape) or x.dtype != dtype:
             raise ValueError(f"{name} must be {dtype} {(*lead, *shape)}, got {x.dtype} {tuple(x.shape)}")
