@@ -2,8 +2,12 @@
 
 Per shape x batch x context: median time (CUDA-graph replays, so launch gaps and Python are out),
 bytes read (kvarn: sink + tail fp16, records of spec section 4; fp16: K+V) and achieved bandwidth.
-Tile contents are random codes and scales: speed does not depend on the values. Prints tables and
-writes JSON; asserts nothing.
+Tile contents are random codes and scales: speed does not depend on the values. The kernel runs with
+its defaults (``precise=True``: fp32 operands split into two fp16 halves for the matrix units,
+stacked as extra rows of one MMA). Where B >= 8 and the context >= 16K (the targets' range) two
+variants are timed too: ``two_mma`` (the halves as two MMAs, ``split_rows=False``) and ``fast``
+(``precise=False``: one fp16 MMA per product, less accurate).
+Prints tables and writes JSON; asserts nothing.
 
     PYTHONPATH=. python benchmarks/bench_decode_attention.py --out results/decode_attention.json
 """
@@ -93,9 +97,15 @@ def run(shapes, batches, contexts, presets, sweep):
                         tk_s, kw = best[0], {"num_warps": best[1], "num_splits": best[2], "num_stages": best[3]}
                     else:
                         tk_s = bench(lambda: kernels.decode_attention(q, sk, sv, tiles, tk, tv, cfg))
+                    variants = {}
+                    if b >= 8 and t >= 16384:
+                        for vname, vkw in (("two_mma", {"split_rows": False}), ("fast", {"precise": False})):
+                            tv_s = bench(lambda: kernels.decode_attention(q, sk, sv, tiles, tk, tv, cfg, **vkw))
+                            variants[f"{vname}_us"] = tv_s * 1e6
+                            variants[f"{vname}_speedup"] = t_fp / tv_s
                     kb = b * hk * (n * cfg.record_bytes(d) + (s + r) * d * 2 * 2)
                     row[name] = {"us": tk_s * 1e6, "bytes": kb, "tbps": kb / tk_s / 1e12,
-                                 "peak_frac": kb / tk_s / PEAK, "speedup": t_fp / tk_s, **kw}
+                                 "peak_frac": kb / tk_s / PEAK, "speedup": t_fp / tk_s, **variants, **kw}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del kf, vf, stores
@@ -105,13 +115,14 @@ def run(shapes, batches, contexts, presets, sweep):
 
 def table(rows, presets):
     head = "| shape | B | context | fp16 SDPA µs (TB/s) | " + " | ".join(
-        f"{p} µs (TB/s, % peak) | {p} speedup" for p in presets) + " |"
-    lines = [head, "|" + "---|" * (3 + 1 + 2 * len(presets))]
+        f"{p} µs (TB/s, % peak) | {p} speedup | {p} two-MMA / fast speedup" for p in presets) + " |"
+    lines = [head, "|" + "---|" * (3 + 1 + 3 * len(presets))]
     for r in rows:
         cells = [r["shape"], str(r["batch"]), f"{r['context'] // 1024}K", f"{r['sdpa_us']:.1f} ({r['sdpa_tbps']:.2f})"]
         for p in presets:
             x = r[p]
-            cells += [f"{x['us']:.1f} ({x['tbps']:.2f}, {100 * x['peak_frac']:.0f}%)", f"{x['speedup']:.2f}x"]
+            cells += [f"{x['us']:.1f} ({x['tbps']:.2f}, {100 * x['peak_frac']:.0f}%)", f"{x['speedup']:.2f}x",
+                      f"{x['two_mma_speedup']:.2f}x / {x['fast_speedup']:.2f}x" if "fast_speedup" in x else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

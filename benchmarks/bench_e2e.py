@@ -45,13 +45,18 @@ def build_model():
 
 
 class StepClock(LogitsProcessor):
+    """Records a CUDA event per step, and the peak memory of each step (the first step, which
+    processes the uncached prompt token and builds generate's state, apart from the steady ones)."""
+
     def __init__(self):
-        self.events = []
+        self.events, self.peaks = [], []
 
     def __call__(self, input_ids, scores):
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         self.events.append(e)
+        self.peaks.append(torch.cuda.max_memory_allocated())  # a host read of an allocator counter: no sync
+        torch.cuda.reset_peak_memory_stats()
         return scores
 
 
@@ -101,6 +106,7 @@ def run_one(model, kind, b, t, new):
     clock = StepClock()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
     with torch.no_grad():
         model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                        logits_processor=[clock], attention_mask=torch.ones_like(ids))
@@ -108,7 +114,9 @@ def run_one(model, kind, b, t, new):
     gaps = [a.elapsed_time(c) for a, c in zip(clock.events[3:-1], clock.events[4:])]
     step = statistics.median(gaps) * 1e-3
     row = {"cache": kind, "batch": b, "context": t, "step_ms": step * 1e3, "tokens_per_s": b / step,
-           "peak_gib": torch.cuda.max_memory_allocated() / GIB, "kv_gib": stored / GIB,
+           "peak_gib": max(clock.peaks + [torch.cuda.max_memory_allocated()]) / GIB,
+           "peak_first_step_gib": clock.peaks[0] / GIB, "peak_later_steps_gib": max(clock.peaks[1:]) / GIB,
+           "allocated_before_gib": before / GIB, "kv_gib": stored / GIB,
            "kv_reserved_gib": reserved / GIB, "kv_spec_gib": spec_bytes(kind, b, t) / GIB}
     row["kv_over_spec"] = stored / spec_bytes(kind, b, t)
     del cache

@@ -175,6 +175,14 @@ class KVarNLayer(CacheLayerMixin):
             self.tail_v[:, :, t:t + q] = v
             self.tail_len = [t + q] * self.batch
             return
+        if not any(skip):
+            # Rows at different tail lengths (left padding): one indexed write for the whole batch.
+            rows = torch.arange(self.batch, device=self.device)[:, None]
+            cols = torch.tensor(self.tail_len, device=self.device)[:, None] + torch.arange(q, device=self.device)
+            self.tail_k.transpose(1, 2)[rows, cols] = k.transpose(1, 2)
+            self.tail_v.transpose(1, 2)[rows, cols] = v.transpose(1, 2)
+            self.tail_len = [t + q for t in self.tail_len]
+            return
         for b in range(self.batch):
             t, n = self.tail_len[b], q - skip[b]
             self.tail_k[b, :, t:t + n] = k[b, :, skip[b]:]
@@ -237,13 +245,20 @@ class KVarNLayer(CacheLayerMixin):
                 parts_k.insert(0, pad)
                 parts_v.insert(0, pad)
             return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
-        out_k = self.sink_k.new_zeros(self.batch, self.heads, self.length, self.head_dim)
-        out_v = torch.zeros_like(out_k)
-        for b, (p, s, n, t) in enumerate(layout):
-            for out, sink, dec, tail in ((out_k, self.sink_k, dk, self.tail_k), (out_v, self.sink_v, dv, self.tail_v)):
-                out[b, :, p:p + s] = sink[b, :, :s]
-                out[b, :, p + s:p + s + n * g] = dec[b, :, : n * g]
-                out[b, :, p + s + n * g:p + s + n * g + t] = tail[b, :, :t]
+        # Rows differ (left padding): one gather over [sink | decoded tiles | tail] instead of
+        # six slice copies per row, which cost thousands of kernel launches per step at batch 128.
+        src_k = torch.cat([self.sink_k, dk, self.tail_k], dim=2)
+        src_v = torch.cat([self.sink_v, dv, self.tail_v], dim=2)
+        s_cap, n_cap = self.sink_k.shape[2], dk.shape[2]
+        meta = torch.tensor([[p, s, n * g, t] for p, s, n, t in layout], device=self.device)
+        p, s, n, t = (meta[:, i, None] for i in range(4))  # each [B, 1]
+        r = torch.arange(self.length, device=self.device)[None, :] - p  # position within the row
+        idx = torch.where(r < s, r, torch.where(r < s + n, s_cap + r - s, s_cap + n_cap + r - s - n))
+        valid = (r >= 0) & (r < s + n + t)
+        idx = torch.where(valid, idx, 0)[:, None, :, None].expand(-1, self.heads, -1, self.head_dim)
+        hole = ~valid[:, None, :, None]
+        out_k = torch.gather(src_k, 2, idx).masked_fill_(hole, 0)
+        out_v = torch.gather(src_v, 2, idx).masked_fill_(hole, 0)
         return out_k, out_v
 
     # read-only accessors ----------------------------------------------------------------------

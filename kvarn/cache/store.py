@@ -47,6 +47,14 @@ def _split(enc: EncodedKV, g: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _one_tile(enc: EncodedKV) -> EncodedKV:
+    """A copy of the first tile of ``enc`` (``[1, Hk, G, D]``) that shares no storage with it."""
+    first = lambda x: None if x is None else x[:1].clone()  # noqa: E731
+    tiles = None if enc.tiles is None else enc.tiles.map(first)
+    return EncodedKV(enc.method, (1, *enc.shape[1:]), 0, tiles=tiles, k_fp8=first(enc.k_fp8),
+                     k_scale=first(enc.k_scale), v_fp8=first(enc.v_fp8), v_scale=first(enc.v_scale))
+
+
 def _join(fields: dict[str, torch.Tensor], enc_template: EncodedKV, shape: tuple[int, ...]) -> EncodedKV:
     """Fields ``[B, Hk, n, *per_tile]`` -> EncodedKV of ``[B, Hk, n*G, D]`` (for TileCodec.decode)."""
     b, h, t, _ = shape
@@ -131,7 +139,9 @@ class TileStore:
         enc = self.codec.encode(keys, values)
         new = {name: x[:, :, 0] for name, x in _split(enc, self.codec.config.tile).items()}
         if self.fields is None:
-            self._template = enc
+            # The template only tells _join the format: keep a one-tile copy, not a reference to
+            # this first batch (a whole prefill's tiles would otherwise stay allocated twice).
+            self._template = _one_tile(enc)
             self.fields = {
                 name: x.new_zeros(self.batch, self.heads, 0, *x.shape[2:]) for name, x in new.items()
             }

@@ -2,6 +2,10 @@
 
 Runs every (task, method, preset) combination, one JSONL file each, then writes ``summary.json``
 and ``summary.md`` for everything in DIR. Rerunning resumes. ``fp16`` ignores the preset.
+
+``--device cuda`` generates on a GPU. ``--regrade`` generates nothing: it grades the stored outputs
+of DIR again (for example HumanEval programs generated on a machine whose sandbox could not run)
+and rewrites the JSONL files and the summary.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lines", type=_ints, default=[20, 60], help="line_retrieval lengths in lines")
     p.add_argument("--exec-timeout", type=float, default=10.0, help="HumanEval seconds per program")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1, ...")
+    p.add_argument("--regrade", action="store_true", help="grade the stored outputs in --out again; no generation")
     p.add_argument("--out", required=True, help="output folder (JSONL per run, summary.json, summary.md)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=_main)
@@ -48,15 +54,30 @@ def _main(args) -> int:
     import torch
 
     from kvarn import models
-    from kvarn.eval import TASKS, RunSpec, SamplingConfig, expand_runs, load_task, run_eval, write_summary
+    from kvarn.eval import TASKS, RunSpec, SamplingConfig, expand_runs, load_task, regrade, run_eval, write_summary
 
     bad = [t for t in args.task if t not in TASKS]
     if bad:
         raise SystemExit(f"unknown task(s) {bad}; valid: {list(TASKS)}")
+    if args.regrade:
+        for task in args.task:
+            records = load_task(task, n_lines=args.lines, n_samples=args.limit or 20) \
+                if task == "line_retrieval" else load_task(task)
+            for path, changed in regrade(args.out, task, records, exec_timeout_s=args.exec_timeout):
+                log.info("regraded %s: %d grade(s) changed", path, changed)
+        write_summary(args.out)
+        return 0
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise SystemExit(f"--device {args.device!r} is not a torch device: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device!r}: torch sees no CUDA device here")
     cfg = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                          max_new_tokens=args.max_new_tokens, samples=args.samples,
                          seeds=tuple(args.seed), batch_size=args.batch_size, fewshot=args.fewshot)
     model, tokenizer = models.load(args.model, dtype=getattr(torch, args.dtype), padding_side="left")
+    model.to(device)
     model_name = args.model.rstrip("/").split("/")[-1]
     for task in args.task:
         if task == "line_retrieval":

@@ -7,8 +7,8 @@
 
 from .grading import Grade, grade
 from .report import pass_at_k, summarize, write_summary
-from .runner import RunSpec, SamplingConfig, expand_runs, run_eval
+from .runner import RunSpec, SamplingConfig, expand_runs, regrade, run_eval
 from .tasks import TASKS, load_task
 
 __all__ = ["TASKS", "load_task", "grade", "Grade", "SamplingConfig", "RunSpec", "run_eval",
-           "expand_runs", "pass_at_k", "summarize", "write_summary"]
+           "expand_runs", "regrade", "pass_at_k", "summarize", "write_summary"]

@@ -182,6 +182,33 @@ def run_eval(spec: RunSpec, model, tokenizer, cfg: SamplingConfig, out_dir, *, c
     return path
 
 
+def regrade(out_dir, task: str, records: list[dict], *, exec_timeout_s: float = 10.0) -> list[tuple[Path, int]]:
+    """Grade the stored outputs of every ``task`` run in ``out_dir`` again and rewrite the files.
+
+    Generation and grading can then happen on different machines (HumanEval programs generated on
+    a GPU box without user namespaces, executed here). Returns (path, grades changed) per file.
+    Every row must belong to ``records``: an unknown id raises before any file is rewritten.
+    """
+    by_id = {r["id"]: r for r in records}
+    done = []
+    for path in sorted(Path(out_dir).glob(f"{task}__*.jsonl")):
+        rows = _read_done(path)
+        missing = sorted({r["id"] for r in rows} - by_id.keys())
+        if missing:
+            raise ValueError(f"{path}: ids {missing[:5]} are not records of {task!r} as loaded here")
+        changed = 0
+        for row in rows:
+            g = grade(task, by_id[row["id"]], row["output"], finish_reason=row["finish_reason"],
+                      exec_timeout_s=exec_timeout_s)
+            changed += (g.correct, g.reason) != (row["correct"], row["reason"])
+            row.update(correct=g.correct, reason=g.reason, extracted=g.extracted)
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        tmp.replace(path)  # atomic: an interruption leaves the old file whole
+        done.append((path, changed))
+    return done
+
+
 def expand_runs(methods: list[str], presets: list[str]) -> list[tuple[str, str | None]]:
     """Every (method, preset) pair, without duplicates: a preset-free method appears once with
     preset None, a bits-free one once per tile size (with the first preset of that tile)."""

@@ -12,6 +12,11 @@ units, two ``tl.dot`` per tile:
     s[m, g]  = rK[g] * ( (q' * sK)[m, :] @ codes_K[:, g] + q'[m, :] . zK )
     o'[m, d] += cV[d] * ( (p * sV)[m, :] @ codes_V[:, d] + p[m, :] . zV )
 
+The fp32 left operands (q' * sK, p * sV, and the output before un-rotation) are split into fp16
+high and low halves stacked as extra rows of the same MMA (``precise``, the default; see
+``dot_split``): the codes are exact in fp16, so the products are then accurate to about 2^-22
+instead of 2^-11, which matters where the dot cancels against the zero-point term.
+
 Codes are unpacked without integer-to-float conversion: a 2- or 4-bit code c in the low bits of a
 byte, read as fp8 e4m3, is exactly ``c / 512`` (subnormals and the first binade), and the hardware
 converts fp8 to fp16 directly; the 512 is folded into the scales. The packed bytes of a tile are
@@ -35,80 +40,12 @@ from ..attention import check_decode_inputs
 from ..codec import TileFields
 from ..config import KVarNConfig
 from ..hadamard import hadamard_matrix
+from .decode_blocks import dot_split, fp_block, load_tile, unpack_rows
 from .layout import check_device, empty_fields, lead_strides
 
 LOG2E = 1.4426950408889634
 MIN_TILES_PER_SPLIT = 4
 PROGRAMS_PER_SM = 4
-
-
-@triton.jit
-def _unpack_rows(c, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
-    """Packed bytes ``[R, C * BITS / 8]`` -> fp16 ``[R, C]`` codes / CODE_SCALE, natural column order.
-
-    CODE_SCALE is 512 for 2/4-bit (fp8 e4m3 reading of the low bits), 1 for 8-bit.
-    """
-    if BITS == 8:
-        y = c.to(tl.float16)
-    elif BITS == 4:
-        x = tl.join(c & 15, c >> 4)  # [R, C/2, 2]: column 2j + a
-        y = tl.reshape(x, [R, C]).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    else:
-        x = tl.join(tl.join(c & 3, (c >> 4) & 3), tl.join((c >> 2) & 3, c >> 6))  # [R, C/4, 2, 2]
-        # element [j, a, b] is the code 4j + 2a + b
-        y = tl.reshape(x, [R, C]).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    return y
-
-
-@triton.jit
-def _fp_block(
-    q16, k_ptr, v_ptr, base, s_n, n0, n_len, lim, m_i, l_i, acc, hmat, inv_sqrt_d,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, ROTATED: tl.constexpr,
-):
-    """Online-softmax update with BLOCK_N full-precision tokens starting at n0.
-
-    ROTATED: the stored tokens are already ``x @ H``; otherwise they are rotated here (a small dot).
-    """
-    offs = n0 + tl.arange(0, BLOCK_N)
-    ok = offs < n_len
-    d = tl.arange(0, D)
-    k = tl.load(k_ptr + base + offs[:, None] * s_n + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
-    v = tl.load(v_ptr + base + offs[:, None] * s_n + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
-    if not ROTATED:
-        k = (tl.dot(k, hmat) * inv_sqrt_d).to(tl.float16)
-        v = (tl.dot(v, hmat) * inv_sqrt_d).to(tl.float16)
-    s = tl.dot(q16, tl.trans(k))  # [M, BLOCK_N], log2 domain (scale folded into q)
-    vis = ok[None, :] & (offs[None, :] < lim[:, None])
-    s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _load_tile(
-    n, b64, h64, rows_d, rows_g, cols_kb, cols_vb,
-    kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
-    kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
-    vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
-    vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
-    D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
-):
-    """All bytes of tile n: packed codes and the six fp16 scale vectors."""
-    n64 = b64 * 0 + n  # int64 offsets (the loop index is a plain int in the interpreter)
-    kc = tl.load(kc_ptr + b64 * kc_sb + h64 * kc_sh + n64 * kc_sn + rows_d[:, None] * (G * KB // 8) + cols_kb[None, :])
-    vc = tl.load(vc_ptr + b64 * vc_sb + h64 * vc_sh + n64 * vc_sn + rows_g[:, None] * (D * VB // 8) + cols_vb[None, :])
-    sk = tl.load(ks_ptr + b64 * ks_sb + h64 * ks_sh + n64 * ks_sn + rows_d)
-    zk = tl.load(kz_ptr + b64 * kz_sb + h64 * kz_sh + n64 * kz_sn + rows_d)
-    rk = tl.load(kr_ptr + b64 * kr_sb + h64 * kr_sh + n64 * kr_sn + rows_g)
-    cv = tl.load(vcs_ptr + b64 * vcs_sb + h64 * vcs_sh + n64 * vcs_sn + rows_d)
-    sv = tl.load(vs_ptr + b64 * vs_sb + h64 * vs_sh + n64 * vs_sn + rows_g)
-    zv = tl.load(vz_ptr + b64 * vz_sb + h64 * vz_sh + n64 * vz_sn + rows_g)
-    return kc, vc, sk, zk, rk, cv, sv, zv
 
 
 @triton.jit
@@ -126,7 +63,7 @@ def _decode_attention_kernel(
     D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     GROUP: tl.constexpr, TQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP_SPLIT: tl.constexpr, CAUSAL: tl.constexpr, FP_ROTATED: tl.constexpr,
-    KSCALE: tl.constexpr, VSCALE: tl.constexpr,
+    KSCALE: tl.constexpr, VSCALE: tl.constexpr, PRECISE: tl.constexpr, SPLIT_ROWS: tl.constexpr,
 ):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
@@ -143,7 +80,8 @@ def _decode_attention_kernel(
     q = tl.load(q_ptr + b64 * q_sb + qh[:, None].to(tl.int64) * q_sh + qi[:, None] * q_st + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     hmat = tl.load(h_ptr + d[:, None] * D + d[None, :])  # +-1, fp16
-    qr = tl.dot(q.to(tl.float16), hmat) * (inv_sqrt_d * qk_scale)  # rotated, log2-domain scaled, fp32
+    # q is fp16 and H is +-1, so the product is exact in fp32 (the split only pads the block to 16 rows).
+    qr = dot_split(q.to(tl.float32), hmat, PRECISE, SPLIT_ROWS) * (inv_sqrt_d * qk_scale)  # rotated, log2 domain
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -154,20 +92,19 @@ def _decode_attention_kernel(
     else:
         fp_sp = 0
     if sp == fp_sp:
-        q16 = qr.to(tl.float16)
         big = tl.full([BLOCK_M], 1 << 30, tl.int32)
         s_len = tl.load(s_len_ptr + b)
         for n0 in range(0, S_CAP, BLOCK_N):
-            m_i, l_i, acc = _fp_block(q16, sk_ptr, sv_ptr, b64 * s_sb + h64 * s_sh, s_sn, n0, s_len, big,
-                                      m_i, l_i, acc, hmat, inv_sqrt_d, D, BLOCK_N, FP_ROTATED)
+            m_i, l_i, acc = fp_block(qr, sk_ptr, sv_ptr, b64 * s_sb + h64 * s_sh, s_sn, n0, s_len, big,
+                                      m_i, l_i, acc, hmat, inv_sqrt_d, D, BLOCK_N, FP_ROTATED, PRECISE, SPLIT_ROWS)
         t_len = tl.load(t_len_ptr + b)
         if CAUSAL:
             lim = t_len - TQ + 1 + qi
         else:
             lim = big
         for n0 in range(0, R_CAP, BLOCK_N):
-            m_i, l_i, acc = _fp_block(q16, tk_ptr, tv_ptr, b64 * t_sb + h64 * t_sh, t_sn, n0, t_len, lim,
-                                      m_i, l_i, acc, hmat, inv_sqrt_d, D, BLOCK_N, FP_ROTATED)
+            m_i, l_i, acc = fp_block(qr, tk_ptr, tv_ptr, b64 * t_sb + h64 * t_sh, t_sn, n0, t_len, lim,
+                                      m_i, l_i, acc, hmat, inv_sqrt_d, D, BLOCK_N, FP_ROTATED, PRECISE, SPLIT_ROWS)
 
     if sp < TILE_SPLITS:
         n_len = tl.load(n_len_ptr + b)
@@ -177,37 +114,37 @@ def _decode_attention_kernel(
         cols_kb = tl.arange(0, G * KB // 8)
         cols_vb = tl.arange(0, D * VB // 8)
         # Prefetch: tile n+1 is loaded before tile n is computed (clamped: a harmless reload at the end).
-        kc, vc, sk, zk, rk, cv, sv, zv = _load_tile(
+        kc, vc, sk, zk, rk, cv, sv, zv = load_tile(
             tl.minimum(t_start, tl.maximum(t_end - 1, 0)), b64, h64, d, rows_g, cols_kb, cols_vb,
             kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
             kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
             vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
             vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn, D, G, KB, VB)
         for n in range(t_start, t_end):
-            kc2, vc2, sk2, zk2, rk2, cv2, sv2, zv2 = _load_tile(
+            kc2, vc2, sk2, zk2, rk2, cv2, sv2, zv2 = load_tile(
                 tl.minimum(n + 1, t_end - 1), b64, h64, d, rows_g, cols_kb, cols_vb,
                 kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
                 kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
                 vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
                 vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn, D, G, KB, VB)
-            qs = (qr * (sk.to(tl.float32) * KSCALE)[None, :]).to(tl.float16)
+            qs = qr * (sk.to(tl.float32) * KSCALE)[None, :]
             qz = tl.sum(qr * zk.to(tl.float32)[None, :], axis=1)
-            s = (tl.dot(qs, _unpack_rows(kc, D, G, KB)) + qz[:, None]) * rk.to(tl.float32)[None, :]
+            s = (dot_split(qs, unpack_rows(kc, D, G, KB), PRECISE, SPLIT_ROWS) + qz[:, None]) * rk.to(tl.float32)[None, :]
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-            ps = (p * (sv.to(tl.float32) * VSCALE)[None, :]).to(tl.float16)
+            ps = p * (sv.to(tl.float32) * VSCALE)[None, :]
             zs = tl.sum(p * zv.to(tl.float32)[None, :], axis=1)
-            pv = tl.dot(ps, _unpack_rows(vc, G, D, VB))
+            pv = dot_split(ps, unpack_rows(vc, G, D, VB), PRECISE, SPLIT_ROWS)
             acc = acc * alpha[:, None] + (pv + zs[:, None]) * cv.to(tl.float32)[None, :]
             kc, vc, sk, zk, rk, cv, sv, zv = kc2, vc2, sk2, zk2, rk2, cv2, sv2, zv2
 
     if not FP_SPLIT:
         # One split: normalize and un-rotate here.
         inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-        o = tl.dot((acc * inv_l[:, None]).to(tl.float16), hmat) * inv_sqrt_d
+        o = dot_split(acc * inv_l[:, None], hmat, PRECISE, SPLIT_ROWS) * inv_sqrt_d
         tl.store(o_ptr + b64 * o_sb + qh[:, None].to(tl.int64) * o_sh + qi[:, None] * o_st + d[None, :],
                  o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
@@ -222,6 +159,7 @@ def _decode_attention_kernel(
 def _combine_kernel(
     pacc_ptr, pml_ptr, h_ptr, o_ptr, o_sb, o_sh, o_st, HK, inv_sqrt_d,
     NS, D: tl.constexpr, GROUP: tl.constexpr, TQ: tl.constexpr, BLOCK_M: tl.constexpr,
+    PRECISE: tl.constexpr, SPLIT_ROWS: tl.constexpr,
 ):
     bh = tl.program_id(0)
     b = bh // HK
@@ -240,7 +178,7 @@ def _combine_kernel(
         l_tot += w * tl.load(pml_ptr + (base + rows) * 2 + 1)
         acc += w[:, None] * tl.load(pacc_ptr + (base + rows[:, None]) * D + d[None, :])
     inv_l = tl.where(l_tot > 0, 1.0 / l_tot, 0.0)
-    o = tl.dot((acc * inv_l[:, None]).to(tl.float16), tl.load(h_ptr + d[:, None] * D + d[None, :])) * inv_sqrt_d
+    o = dot_split(acc * inv_l[:, None], tl.load(h_ptr + d[:, None] * D + d[None, :]), PRECISE, SPLIT_ROWS) * inv_sqrt_d
     qi = rows % TQ
     qh = h * GROUP + rows // TQ
     tl.store(o_ptr + b.to(tl.int64) * o_sb + qh[:, None].to(tl.int64) * o_sh + qi[:, None] * o_st + d[None, :],
@@ -291,6 +229,8 @@ def decode_attention(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 1,
+    precise: bool = True,
+    split_rows: bool = True,
 ) -> torch.Tensor:
     """Same contract as :func:`kvarn.attention.decode_attention` (see there for shapes), on CUDA.
 
@@ -298,7 +238,10 @@ def decode_attention(
     contiguous; tile fields contiguous within a tile (views of a record buffer are fine).
     ``num_splits``: tile splits (default: planned from the batch and the SM count); ``num_warps``:
     warps per program and ``num_stages``: Triton's software pipelining depth (tuning knobs; the
-    kernel prefetches the next tile itself, so 1 is the default). With
+    kernel prefetches the next tile itself, so 1 is the default); ``precise``: fp32 operands split
+    into two fp16 halves for the matrix units (twice the MMAs; off, the error can exceed the test
+    bound of twice torch's fp16 error on keys with large per-channel offsets); ``split_rows``: the
+    two halves go through one MMA as extra query rows rather than two MMAs (tuning knob). With
     ``causal`` and Tq > 1 the tail length precondition (R >= Tq) is the caller's: it is not checked
     on the device, to avoid a host synchronization.
     """
@@ -310,7 +253,9 @@ def decode_attention(
     check_device(query, sink_k, tail_k, None if tiles is None else tiles.k_codes)
     dev = query.device
     group = hq // hk
-    block_m = max(16, triton.next_power_of_2(group * tq))
+    split_rows = bool(precise and split_rows)
+    # tl.dot needs at least 16 rows; stacked halves double the block's rows.
+    block_m = max(8 if split_rows else 16, triton.next_power_of_2(group * tq))
     scale = (1.0 / math.sqrt(d) if scaling is None else float(scaling)) * LOG2E
     hmat = _pm1_hadamard(d, dev)
 
@@ -359,11 +304,12 @@ def decode_attention(
         GROUP=group, TQ=tq, BLOCK_M=block_m, BLOCK_N=64,
         FP_SPLIT=fp_split, CAUSAL=causal, FP_ROTATED=fp_frame == "rotated",
         KSCALE=1.0 if config.key_bits == 8 else 512.0, VSCALE=1.0 if config.value_bits == 8 else 512.0,
-        num_warps=num_warps, num_stages=num_stages,
+        PRECISE=bool(precise), SPLIT_ROWS=split_rows, num_warps=num_warps, num_stages=num_stages,
     )
     if ns > 1:
         _combine_kernel[(b * hk,)](
             pacc, pml, hmat, out, out.stride(0), out.stride(1), out.stride(2), hk, 1.0 / math.sqrt(d), ns,
-            D=d, GROUP=group, TQ=tq, BLOCK_M=block_m, num_warps=4,
+            D=d, GROUP=group, TQ=tq, BLOCK_M=block_m, PRECISE=bool(precise), SPLIT_ROWS=split_rows,
+            num_warps=4,
         )
     return out
