@@ -23,13 +23,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 
-from kernel_data import history, rel_err  # noqa: E402
+from kernel_data import SMALL_DECODE_CASES, history, rel_err  # noqa: E402
 
 from kvarn import kernels  # noqa: E402
 from kvarn.attention import decode_attention as torch_decode  # noqa: E402
 from kvarn.config import KVarNConfig  # noqa: E402
 
-CASES = [((4, 2), 1, None), ((2, 2), 1, 2), ((4, 4), 3, 2), ((8, 2), 2, None)]  # (K, V bits), Tq, splits
 VARIANTS = {"precise (default)": {}, "precise, two MMAs": {"split_rows": False}, "fast": {"precise": False}}
 
 
@@ -40,7 +39,7 @@ def main():
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    for bits, tq, splits in CASES:
+    for bits, tq, splits in SMALL_DECODE_CASES:
         cfg = KVarNConfig(key_bits=bits[0], value_bits=bits[1], tile=64)
         sk, sv, tiles, tk, tv, _, _ = history(1, 2, 2, 64, cfg, dev, tail=5)
         worst = dict.fromkeys(VARIANTS, 0.0)

@@ -51,8 +51,8 @@ def _one_tile(enc: EncodedKV) -> EncodedKV:
     """A copy of the first tile of ``enc`` (``[1, Hk, G, D]``) that shares no storage with it."""
     first = lambda x: None if x is None else x[:1].clone()  # noqa: E731
     tiles = None if enc.tiles is None else enc.tiles.map(first)
-    return EncodedKV(enc.method, (1, *enc.shape[1:]), 0, tiles=tiles, k_fp8=first(enc.k_fp8),
-                     k_scale=first(enc.k_scale), v_fp8=first(enc.v_fp8), v_scale=first(enc.v_scale))
+    return EncodedKV(enc.method, (1, *enc.shape[1:]), 0, tiles=tiles,
+                     **{name: first(getattr(enc, name)) for name in _FLOAT_FIELDS})
 
 
 def _join(fields: dict[str, torch.Tensor], enc_template: EncodedKV, shape: tuple[int, ...]) -> EncodedKV:

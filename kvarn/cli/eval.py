@@ -50,20 +50,32 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=_main)
 
 
+def _task_records(task: str, args) -> tuple[list[dict], list[dict]]:
+    """(the records to evaluate, the whole task: few-shot pool and id lookup; empty for line_retrieval)."""
+    from kvarn.eval import load_task
+
+    if task == "line_retrieval":
+        return load_task(task, n_lines=args.lines, n_samples=args.limit or 20), []
+    pool = load_task(task)
+    return (pool[: args.limit] if args.limit else pool), pool
+
+
 def _main(args) -> int:
     import torch
 
     from kvarn import models
-    from kvarn.eval import TASKS, RunSpec, SamplingConfig, expand_runs, load_task, regrade, run_eval, write_summary
+    from kvarn.eval import TASKS, RunSpec, SamplingConfig, expand_runs, regrade, run_eval, write_summary
 
     bad = [t for t in args.task if t not in TASKS]
     if bad:
         raise SystemExit(f"unknown task(s) {bad}; valid: {list(TASKS)}")
     if args.regrade:
         for task in args.task:
-            records = load_task(task, n_lines=args.lines, n_samples=args.limit or 20) \
-                if task == "line_retrieval" else load_task(task)
-            for path, changed in regrade(args.out, task, records, exec_timeout_s=args.exec_timeout):
+            records, pool = _task_records(task, args)
+            done = regrade(args.out, task, pool or records, exec_timeout_s=args.exec_timeout)
+            if not done:
+                raise SystemExit(f"--regrade: no {task} runs ({task}__*.jsonl) in {args.out}")
+            for path, changed in done:
                 log.info("regraded %s: %d grade(s) changed", path, changed)
         write_summary(args.out)
         return 0
@@ -80,12 +92,7 @@ def _main(args) -> int:
     model.to(device)
     model_name = args.model.rstrip("/").split("/")[-1]
     for task in args.task:
-        if task == "line_retrieval":
-            records = load_task(task, n_lines=args.lines, n_samples=args.limit or 20)
-            pool = []
-        else:
-            pool = load_task(task)
-            records = pool[: args.limit] if args.limit else pool
+        records, pool = _task_records(task, args)
         for method, preset in expand_runs(args.method, args.preset):
             spec = RunSpec(task, model_name, method, preset, records, fewshot_pool=pool)
             path = run_eval(spec, model, tokenizer, cfg, args.out, progress=not args.no_progress,

@@ -96,7 +96,7 @@ def _decode_attention_kernel(
         s_len = tl.load(s_len_ptr + b)
         for n0 in range(0, S_CAP, BLOCK_N):
             m_i, l_i, acc = fp_block(qr, sk_ptr, sv_ptr, b64 * s_sb + h64 * s_sh, s_sn, n0, s_len, big,
-                                      m_i, l_i, acc, hmat, inv_sqrt_d, D, BLOCK_N, FP_ROTATED, PRECISE, SPLIT_ROWS)
+                                     m_i, l_i, acc, hmat, inv_sqrt_d, D, BLOCK_N, FP_ROTATED, PRECISE, SPLIT_ROWS)
         t_len = tl.load(t_len_ptr + b)
         if CAUSAL:
             lim = t_len - TQ + 1 + qi
@@ -104,7 +104,7 @@ def _decode_attention_kernel(
             lim = big
         for n0 in range(0, R_CAP, BLOCK_N):
             m_i, l_i, acc = fp_block(qr, tk_ptr, tv_ptr, b64 * t_sb + h64 * t_sh, t_sn, n0, t_len, lim,
-                                      m_i, l_i, acc, hmat, inv_sqrt_d, D, BLOCK_N, FP_ROTATED, PRECISE, SPLIT_ROWS)
+                                     m_i, l_i, acc, hmat, inv_sqrt_d, D, BLOCK_N, FP_ROTATED, PRECISE, SPLIT_ROWS)
 
     if sp < TILE_SPLITS:
         n_len = tl.load(n_len_ptr + b)
@@ -239,9 +239,10 @@ def decode_attention(
     ``num_splits``: tile splits (default: planned from the batch and the SM count); ``num_warps``:
     warps per program and ``num_stages``: Triton's software pipelining depth (tuning knobs; the
     kernel prefetches the next tile itself, so 1 is the default); ``precise``: fp32 operands split
-    into two fp16 halves for the matrix units (twice the MMAs; off, the error can exceed the test
-    bound of twice torch's fp16 error on keys with large per-channel offsets); ``split_rows``: the
-    two halves go through one MMA as extra query rows rather than two MMAs (tuning knob). With
+    into two fp16 halves for the matrix units (off: one fp16 MMA per product, whose error can exceed
+    the test bound of twice torch's fp16 error on keys with large per-channel offsets);
+    ``split_rows``: the two halves go through one MMA as extra query rows rather than two MMAs
+    (tuning knob; the default is the faster on the H200, BENCHMARKS.md). With
     ``causal`` and Tq > 1 the tail length precondition (R >= Tq) is the caller's: it is not checked
     on the device, to avoid a host synchronization.
     """
@@ -253,6 +254,7 @@ def decode_attention(
     check_device(query, sink_k, tail_k, None if tiles is None else tiles.k_codes)
     dev = query.device
     group = hq // hk
+    precise = bool(precise)
     split_rows = bool(precise and split_rows)
     # tl.dot needs at least 16 rows; stacked halves double the block's rows.
     block_m = max(8 if split_rows else 16, triton.next_power_of_2(group * tq))
@@ -304,12 +306,12 @@ def decode_attention(
         GROUP=group, TQ=tq, BLOCK_M=block_m, BLOCK_N=64,
         FP_SPLIT=fp_split, CAUSAL=causal, FP_ROTATED=fp_frame == "rotated",
         KSCALE=1.0 if config.key_bits == 8 else 512.0, VSCALE=1.0 if config.value_bits == 8 else 512.0,
-        PRECISE=bool(precise), SPLIT_ROWS=split_rows, num_warps=num_warps, num_stages=num_stages,
+        PRECISE=precise, SPLIT_ROWS=split_rows, num_warps=num_warps, num_stages=num_stages,
     )
     if ns > 1:
         _combine_kernel[(b * hk,)](
             pacc, pml, hmat, out, out.stride(0), out.stride(1), out.stride(2), hk, 1.0 / math.sqrt(d), ns,
-            D=d, GROUP=group, TQ=tq, BLOCK_M=block_m, PRECISE=bool(precise), SPLIT_ROWS=split_rows,
+            D=d, GROUP=group, TQ=tq, BLOCK_M=block_m, PRECISE=precise, SPLIT_ROWS=split_rows,
             num_warps=4,
         )
     return out

@@ -73,3 +73,11 @@ def test_cli_bad_device_is_refused_before_loading(tmp_path, device, match):
     with pytest.raises(SystemExit, match=match):
         main(["eval", "gsm8k", "--device", device, "--out", str(tmp_path), "--no-progress"])
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_cli_regrade_without_runs_is_refused(tmp_path):
+    from kvarn.cli import main
+
+    with pytest.raises(SystemExit, match=r"no humaneval runs .* in "):
+        main(["eval", "humaneval", "--regrade", "--out", str(tmp_path), "--no-progress"])
+    assert not list(tmp_path.iterdir())  # no empty summary written

@@ -8,6 +8,11 @@ import torch
 from kvarn.codec import encode_tiles, kv_to_tiles, rotate_kv
 
 
+# Small decode cases ((K bits, V bits), query tokens, tile splits or None): the CPU-interpreter
+# tests and benchmarks/bench_decode_accuracy.py both use them.
+SMALL_DECODE_CASES = [((4, 2), 1, None), ((2, 2), 1, 2), ((4, 4), 3, 2), ((8, 2), 2, None)]
+
+
 def synthetic_kv(b, h, t, d, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     chan = 1 + 4 * torch.rand(1, h, 1, d, generator=g) ** 4  # a few large channels

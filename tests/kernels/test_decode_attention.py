@@ -11,7 +11,7 @@ from kvarn.attention import decode_attention as torch_decode
 from kvarn.codec import rotate_kv
 from kvarn.config import KVarNConfig
 
-from kernel_data import history, rel_err
+from kernel_data import SMALL_DECODE_CASES, history, rel_err
 from kernel_data import HAS_CUDA
 
 kernels = pytest.importorskip("kvarn.kernels", reason="triton is not importable")
@@ -29,7 +29,7 @@ def check(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=None, **kw):
     return e, e16
 
 
-@pytest.mark.parametrize("bits,tq,splits", [((4, 2), 1, None), ((2, 2), 1, 2), ((4, 4), 3, 2), ((8, 2), 2, None)])
+@pytest.mark.parametrize("bits,tq,splits", SMALL_DECODE_CASES)
 def test_decode_small(bits, tq, splits, kdevice):
     cfg = KVarNConfig(key_bits=bits[0], value_bits=bits[1], tile=64)
     sk, sv, tiles, tk, tv, _, _ = history(1, 2, 2, 64, cfg, kdevice, tail=5)
