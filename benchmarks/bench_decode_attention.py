@@ -2,14 +2,14 @@
 
 Per shape x batch x context: median time (CUDA-graph replays, so launch gaps and Python are out),
 bytes read (kvarn: sink + tail fp16, records of spec section 4; fp16: K+V) and achieved bandwidth.
-Tile contents are random codes and scales: speed does not depend on the values. The kernel runs with
-its defaults (``precise=True``: fp32 operands split into two fp16 halves for the matrix units,
-stacked as extra rows of one MMA). Where B >= 8 and the context >= 16K (the targets' range) two
-variants are timed too: ``two_mma`` (the halves as two MMAs, ``split_rows=False``) and ``fast``
-(``precise=False``: one fp16 MMA per product, less accurate).
-Prints tables and writes JSON; asserts nothing.
+Both sides read cold data: when one copy of a case's data is smaller than ``--cold-bytes``
+(default 256 MB, five times the H200's L2), that many copies are made and consecutive calls cycle
+through them, as consecutive layers of a model do (a 10 MB case replayed on one copy would be
+served from L2 and look faster than it is). Tile contents are random codes and scales: speed does
+not depend on the values. ``--sweep`` also times other warps / register caps / split counts and
+reports the best beside the default. Prints a table and writes JSON; asserts nothing.
 
-    PYTHONPATH=. python benchmarks/bench_decode_attention.py --out results/decode_attention.json
+    PYTHONPATH=. python benchmarks/bench_decode_attention.py --out benchmarks/results/decode_attention_h200.json
 """
 
 from __future__ import annotations
@@ -23,13 +23,16 @@ from triton.testing import do_bench_cudagraph
 
 from kvarn import kernels
 from kvarn.config import KVarNConfig
+from kvarn.kernels.decode import plan_splits
 from kvarn.kernels.layout import empty_fields
 
 SHAPES = {"llama8b_d128": (32, 8, 128), "d64": (32, 8, 64), "d256": (16, 8, 256)}
-CONTEXTS = (1024, 4096, 16384, 65536, 131072)
+CONTEXTS = (4096, 16384, 65536, 131072)
 BATCHES = (1, 8, 32)
 PRESETS = ("k2v2_g128", "k4v2_g128")
 PEAK = 4.8e12
+# (num_warps, max_registers, split multiplier, L2 prefetch) tried by --sweep besides the default plan.
+SWEEP = ((1, 255, 2.0), (2, 168, 1.0), (2, 128, 2.0), (2, 128, 0.5), (2, 128, 0.25), (2, 128, 1.0, False))
 
 
 def split_context(t, cfg):
@@ -52,77 +55,95 @@ def random_fields(b, hk, n, d, cfg, dev):
     return f
 
 
+def cycling(make, nbytes, cold_bytes):
+    """A callable over ``ceil(cold_bytes / nbytes)`` copies of a case, one copy per call in turn."""
+    copies = [make() for _ in range(max(1, -(-cold_bytes // nbytes)))]
+    state = {"i": 0}
+
+    def call():
+        fn = copies[state["i"] % len(copies)]
+        state["i"] += 1
+        return fn()
+
+    return call
+
+
 def bench(fn):
     return do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e-3  # seconds
 
 
-def run(shapes, batches, contexts, presets, sweep):
+def case_fns(b, hq, hk, d, t, cfg, dev, kw):
+    """(make_sdpa, make_kvarn, fp bytes, kvarn bytes) for one cell; each make() builds one copy."""
+    s, n, r = split_context(t, cfg)
+
+    def make_sdpa():
+        q = torch.randn(b, hq, 1, d, device=dev, dtype=torch.float16)
+        k = torch.randn(b, hk, t, d, device=dev, dtype=torch.float16)
+        v = torch.randn_like(k)
+        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    def make_kvarn():
+        q = torch.randn(b, hq, 1, d, device=dev, dtype=torch.float16)
+        fp = torch.randn(2, b, hk, s + r, d, device=dev, dtype=torch.float16)
+        tiles = random_fields(b, hk, n, d, cfg, dev)
+        sk, sv, tk, tv = fp[0, :, :, :s], fp[1, :, :, :s], fp[0, :, :, s:], fp[1, :, :, s:]
+        return lambda: kernels.decode_attention(q, sk, sv, tiles, tk, tv, cfg, **kw)
+
+    fp_bytes = b * hk * t * d * 2 * 2
+    kv_bytes = b * hk * (n * cfg.record_bytes(d) + (s + r) * d * 2 * 2)
+    return make_sdpa, make_kvarn, fp_bytes, kv_bytes
+
+
+def run(shapes, batches, contexts, presets, sweep, cold_bytes):
     dev = torch.device("cuda")
     rows = []
     for shape in shapes:
         hq, hk, d = SHAPES[shape]
         for b in batches:
-            tmax = max(contexts)
-            kf = torch.randn(b, hk, tmax, d, device=dev, dtype=torch.float16)
-            vf = torch.randn_like(kf)
-            q = torch.randn(b, hq, 1, d, device=dev, dtype=torch.float16)
-            stores = {}
-            for name in presets:
-                cfg = KVarNConfig.from_name(name)
-                s, n, r = split_context(tmax, cfg)
-                stores[name] = (cfg, random_fields(b, hk, n, d, cfg, dev))
             for t in contexts:
-                k, v = kf[:, :, :t], vf[:, :, :t]
+                cfg0 = KVarNConfig.from_name(presets[0])
+                make_sdpa, _, fp_bytes, _ = case_fns(b, hq, hk, d, t, cfg0, dev, {})
+                if 2 * fp_bytes > 40e9:
+                    continue
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                    t_fp = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-                fp_bytes = b * hk * t * d * 2 * 2
+                    t_fp = bench(cycling(make_sdpa, fp_bytes, cold_bytes))
                 row = {"shape": shape, "hq": hq, "hk": hk, "d": d, "batch": b, "context": t,
                        "sdpa_us": t_fp * 1e6, "sdpa_tbps": fp_bytes / t_fp / 1e12}
-                for name, (cfg, fields) in stores.items():
+                for name in presets:
+                    cfg = KVarNConfig.from_name(name)
                     s, n, r = split_context(t, cfg)
-                    tiles = fields.map(lambda x: x[:, :, :n])
-                    sk, sv = kf[:, :, :s], vf[:, :, :s]
-                    tk, tv = kf[:, :, s:s + r], vf[:, :, s:s + r]
-                    kw = {}
+                    _, make_kv, _, kv_bytes = case_fns(b, hq, hk, d, t, cfg, dev, {})
+                    t_kv = bench(cycling(make_kv, kv_bytes, cold_bytes))
+                    cell = {"us": t_kv * 1e6, "bytes": kv_bytes, "tbps": kv_bytes / t_kv / 1e12,
+                            "peak_frac": kv_bytes / t_kv / PEAK, "speedup": t_fp / t_kv}
                     if sweep:
-                        best = None
-                        from kvarn.kernels.decode import plan_splits
-                        for nw, mult, st in ((4, 1, 1), (8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 1)):
-                            ns = plan_splits(b * hk, n, dev) * mult
-                            tt = bench(lambda: kernels.decode_attention(
-                                q, sk, sv, tiles, tk, tv, cfg, num_splits=ns, num_warps=nw, num_stages=st))
-                            print("sweep", shape, b, t, name, nw, ns, st, round(tt * 1e6, 1), flush=True)
-                            if best is None or tt < best[0]:
-                                best = (tt, nw, ns, st)
-                        tk_s, kw = best[0], {"num_warps": best[1], "num_splits": best[2], "num_stages": best[3]}
-                    else:
-                        tk_s = bench(lambda: kernels.decode_attention(q, sk, sv, tiles, tk, tv, cfg))
-                    variants = {}
-                    if b >= 8 and t >= 16384:
-                        for vname, vkw in (("two_mma", {"split_rows": False}), ("fast", {"precise": False})):
-                            tv_s = bench(lambda: kernels.decode_attention(q, sk, sv, tiles, tk, tv, cfg, **vkw))
-                            variants[f"{vname}_us"] = tv_s * 1e6
-                            variants[f"{vname}_speedup"] = t_fp / tv_s
-                    kb = b * hk * (n * cfg.record_bytes(d) + (s + r) * d * 2 * 2)
-                    row[name] = {"us": tk_s * 1e6, "bytes": kb, "tbps": kb / tk_s / 1e12,
-                                 "peak_frac": kb / tk_s / PEAK, "speedup": t_fp / tk_s, **variants, **kw}
+                        base_splits = plan_splits(b * hk, n, s + r, dev)[0]
+                        tried = {}
+                        for warps, regs, mult, *pf in SWEEP:
+                            kw = {"num_warps": warps, "max_registers": regs,
+                                  "num_splits": max(1, round(base_splits * mult)), "l2_prefetch": pf != [False]}
+                            _, make_kv, _, _ = case_fns(b, hq, hk, d, t, cfg, dev, kw)
+                            tt = bench(cycling(make_kv, kv_bytes, cold_bytes))
+                            tried[f"w{warps}_r{regs}_x{mult}" + ("_nopf" if pf == [False] else "")] = tt * 1e6
+                        best = min(tried, key=tried.get)
+                        cell.update(sweep=tried, best=best, best_speedup=t_fp / (tried[best] * 1e-6))
+                    row[name] = cell
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del kf, vf, stores
-            torch.cuda.empty_cache()
+                torch.cuda.empty_cache()
     return rows
 
 
 def table(rows, presets):
     head = "| shape | B | context | fp16 SDPA µs (TB/s) | " + " | ".join(
-        f"{p} µs (TB/s, % peak) | {p} speedup | {p} two-MMA / fast speedup" for p in presets) + " |"
-    lines = [head, "|" + "---|" * (3 + 1 + 3 * len(presets))]
+        f"{p} µs (TB/s, % peak) | {p} speedup" for p in presets) + " |"
+    lines = [head, "|" + "---|" * (4 + 2 * len(presets))]
     for r in rows:
         cells = [r["shape"], str(r["batch"]), f"{r['context'] // 1024}K", f"{r['sdpa_us']:.1f} ({r['sdpa_tbps']:.2f})"]
         for p in presets:
             x = r[p]
-            cells += [f"{x['us']:.1f} ({x['tbps']:.2f}, {100 * x['peak_frac']:.0f}%)", f"{x['speedup']:.2f}x",
-                      f"{x['two_mma_speedup']:.2f}x / {x['fast_speedup']:.2f}x" if "fast_speedup" in x else "-"]
+            best = f" (best {x['best_speedup']:.2f}x: {x['best']})" if "best" in x else ""
+            cells += [f"{x['us']:.1f} ({x['tbps']:.2f}, {100 * x['peak_frac']:.0f}%)", f"{x['speedup']:.2f}x{best}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -133,13 +154,15 @@ def main():
     ap.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     ap.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
     ap.add_argument("--presets", nargs="+", default=list(PRESETS))
-    ap.add_argument("--sweep", action="store_true", help="also try other warps/splits/stages, keep the best")
+    ap.add_argument("--sweep", action="store_true", help="also try other warps/register caps/splits")
+    ap.add_argument("--cold-bytes", type=int, default=256 << 20)
     ap.add_argument("--out", default="benchmarks/results/decode_attention.json")
     a = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
-    rows = run(a.shapes, a.batches, a.contexts, a.presets, a.sweep)
+    rows = run(a.shapes, a.batches, a.contexts, a.presets, a.sweep, a.cold_bytes)
     meta = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-            "peak_bytes_per_s": PEAK, "timing": "triton do_bench_cudagraph median"}
+            "peak_bytes_per_s": PEAK, "timing": "triton do_bench_cudagraph median, cold copies",
+            "cold_bytes": a.cold_bytes}
     with open(a.out, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     print(table(rows, a.presets))

@@ -26,7 +26,6 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--preset", default="k4v2_g128")
-    ap.add_argument("--fast", action="store_true", help="precise=False")
     ap.add_argument("--launches", type=int, default=5)
     a = ap.parse_args()
     hq, hk, d = SHAPES[a.shape]
@@ -37,10 +36,9 @@ def main():
     q = torch.randn(a.batch, hq, 1, d, device=dev, dtype=torch.float16)
     tiles = random_fields(a.batch, hk, n, d, cfg, dev)
     for _ in range(a.launches):
-        kernels.decode_attention(q, kv[:, :, :s], kv[:, :, :s], tiles, kv[:, :, s:], kv[:, :, s:], cfg,
-                                 precise=not a.fast)
+        kernels.decode_attention(q, kv[:, :, :s], kv[:, :, :s], tiles, kv[:, :, s:], kv[:, :, s:], cfg)
     torch.cuda.synchronize()
-    print(f"ran {a.launches} launches: {a.shape} B={a.batch} T={a.context} {a.preset} precise={not a.fast}")
+    print(f"ran {a.launches} launches: {a.shape} B={a.batch} T={a.context} {a.preset}")
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ def check_decode_inputs(query, sink_k, sink_v, tiles, tail_k, tail_v, config):
         hk = lead[1] if hk is None else hk
         if lead[1] != hk:
             raise ValueError(f"tiles have {lead[1]} KV heads, expected {hk}")
-        if tiles.k_codes.shape[-2] != d or tiles.v_codes.shape[-2] != config.tile:
+        if tiles.k_codes.shape[-1] != d or tiles.v_codes.shape[-1] != config.tile:
             raise ValueError(f"tiles do not match D={d}, G={config.tile}")
     if hk is None:
         raise ValueError("at least one of sink, tiles or tail must be given")

@@ -4,17 +4,26 @@ Frames and layouts. Every stored value is in the rotated frame (``k' = k @ H``).
 ``[D, G]`` (rows = channels, quantized per channel over G tokens); a V tile is ``[G, D]`` (rows =
 tokens, quantized per token over D channels). Stored fields per (tile, KV head), all scales fp16:
 
-    k_codes     uint8 [D, G*kb/8]   K codes, channel-major, packed along tokens
+    k_codes     uint8 [G*kb/8, D]   K codes packed along tokens (byte c of channel d holds tokens P c + i)
     k_row_scale fp16  [D]           sK = row_scale * step
     k_row_zero  fp16  [D]           zK = row_scale * lo
     k_col_scale fp16  [G]           rK = col_scale       K'[d,g] = (q*sK[d] + zK[d]) * rK[g]
-    v_codes     uint8 [G, D*vb/8]   V codes, token-major, packed along channels
+    v_codes     uint8 [D*vb/8, G]   V codes packed along channels (byte c of token g holds channels P c + j)
     v_col_scale fp16  [D]           cV = col_scale
     v_row_scale fp16  [G]           sV = row_scale * step
     v_row_zero  fp16  [G]           zV = row_scale * lo  V'[g,d] = (q*sV[g] + zV[g]) * cV[d]
 
 The byte record concatenates them in exactly that order (fp16 little-endian), zero-padded to a
 multiple of 8 bytes: D=G=128, k4v2 -> 8192 + 768 + 4096 + 768 = 13824 bytes.
+
+Code byte order. A packed code matrix is ``[rows, cols / P]`` in the record (spec section 4: the K
+codes channel-major ``[D, G/P]``, the V codes token-major ``[G, D/P]``). Stored fields and tile
+stores keep both code matrices transposed (``[G/P, D]`` and ``[D/P, G]``): the same bytes, each
+unchanged, in the order the decode kernel's matrix products consume them (a row of bytes runs along
+the product's reduction axis: channels for K, tokens for V; see :mod:`kvarn.kernels.decode`).
+:func:`fields_to_records` and :func:`records_to_fields` convert to and from the record's order;
+:func:`record_field_views` views a tile store's buffer, which holds records with the code matrices
+transposed (:func:`record_layout`).
 """
 
 from __future__ import annotations
@@ -61,7 +70,7 @@ def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float):
     y, col_scale, row_scale = variance_normalize(x, iters)
     codes, step, lo = rtn_rows(y, bits, quantile)
     return (
-        pack_codes(codes, bits),
+        pack_codes(codes, bits).transpose(-1, -2).contiguous(),
         (row_scale * step).to(torch.float16),
         (row_scale * lo).to(torch.float16),
         col_scale.to(torch.float16),
@@ -79,39 +88,53 @@ def encode_tiles(k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConf
 
 def decode_tiles(t: TileFields, config: KVarNConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantize to float32 rotated tiles: ``(k [..., D, G], v [..., G, D])``."""
-    kq = unpack_codes(t.k_codes, config.key_bits)
+    kq = unpack_codes(t.k_codes.transpose(-1, -2), config.key_bits)
     k = dequantize_rows(kq, t.k_row_scale, t.k_row_zero) * t.k_col_scale.to(torch.float32)[..., None, :]
-    vq = unpack_codes(t.v_codes, config.value_bits)
+    vq = unpack_codes(t.v_codes.transpose(-1, -2), config.value_bits)
     v = dequantize_rows(vq, t.v_row_scale, t.v_row_zero) * t.v_col_scale.to(torch.float32)[..., None, :]
     return k, v
 
 
 def fields_to_records(t: TileFields, config: KVarNConfig, head_dim: int) -> torch.Tensor:
-    """TileFields with leading dims ``[...]`` -> uint8 records ``[..., record_bytes]``."""
+    """TileFields with leading dims ``[...]`` -> uint8 records ``[..., record_bytes]`` (spec order)."""
     lead = t.k_codes.shape[:-2]
-    parts = [getattr(t, n).contiguous().view(torch.uint8).reshape(*lead, -1) for n in FIELD_ORDER]
+    parts = [_to_record_order(n, getattr(t, n)).contiguous().view(torch.uint8).reshape(*lead, -1)
+             for n in FIELD_ORDER]
     raw = torch.cat(parts, dim=-1)
     pad = config.record_bytes(head_dim) - raw.shape[-1]
     return torch.nn.functional.pad(raw, (0, pad)) if pad else raw
 
 
+_CODES = ("k_codes", "v_codes")
+
+
+def _to_record_order(name: str, x: torch.Tensor) -> torch.Tensor:
+    """A stored field in the record's order: code matrices transposed back (module docstring)."""
+    return x.transpose(-1, -2) if name in _CODES else x
+
+
 def record_layout(config: KVarNConfig, head_dim: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """``(field, per-tile shape, dtype)`` in record order (spec section 4)."""
+    """``(field, per-tile shape, dtype)`` of a tile store's records, in record order (spec section 4).
+
+    The code matrices have the stored (transposed) shape; their byte ranges are the record's.
+    """
     d, g = head_dim, config.tile
     return [
-        ("k_codes", (d, g * config.key_bits // 8), torch.uint8),
+        ("k_codes", (g * config.key_bits // 8, d), torch.uint8),
         ("k_row_scale", (d,), torch.float16), ("k_row_zero", (d,), torch.float16),
         ("k_col_scale", (g,), torch.float16),
-        ("v_codes", (g, d * config.value_bits // 8), torch.uint8),
+        ("v_codes", (d * config.value_bits // 8, g), torch.uint8),
         ("v_col_scale", (d,), torch.float16), ("v_row_scale", (g,), torch.float16),
         ("v_row_zero", (g,), torch.float16),
     ]
 
 
 def record_field_views(records: torch.Tensor, config: KVarNConfig, head_dim: int) -> TileFields:
-    """uint8 ``[..., record_bytes]`` (byte axis contiguous) -> TileFields of views into it, no copy.
+    """A tile store's uint8 ``[..., record_bytes]`` (byte axis contiguous) -> TileFields of views, no copy.
 
     Every field is a byte range of the record; fp16 fields reinterpret their (even-aligned) bytes.
+    The store's records hold the code matrices transposed (module docstring); for records in the
+    spec's order use :func:`records_to_fields`.
     """
     expected = config.record_bytes(head_dim)
     if records.dtype != torch.uint8 or records.shape[-1] != expected:
@@ -135,11 +158,18 @@ def record_field_views(records: torch.Tensor, config: KVarNConfig, head_dim: int
 def records_to_fields(records: torch.Tensor, config: KVarNConfig, head_dim: int) -> TileFields:
     """Inverse of :func:`fields_to_records`: contiguous copies of every field.
 
-    records: uint8 ``[..., record_bytes]``.
+    records: uint8 ``[..., record_bytes]`` in the spec's byte order.
     """
     if isinstance(records, torch.Tensor) and records.dim() and records.stride(-1) != 1:
         records = records.contiguous()
-    return record_field_views(records, config, head_dim).map(lambda x: x.contiguous())
+    views = record_field_views(records, config, head_dim)
+    out = {}
+    for name in FIELD_ORDER:
+        x = getattr(views, name)
+        if name in _CODES:  # the record's bytes, [rows, cols / P], into the stored order
+            x = x.flatten(-2).unflatten(-1, x.shape[-2:][::-1]).transpose(-1, -2)
+        out[name] = x.contiguous()
+    return TileFields(**out)
 
 
 def validate_kv(keys: torch.Tensor, values: torch.Tensor, tile: int | None = None) -> None:

@@ -56,8 +56,9 @@ def test_codes_and_scales_match_literal_spec(name):
     from kvarn.pack import unpack_codes
 
     hm = hadamard_matrix(64)
-    kq = unpack_codes(qkv.k_codes, cfg.key_bits)
-    vq = unpack_codes(qkv.v_codes, cfg.value_bits)
+    # Stored code matrices are the record's transposed (kvarn.codec docstring).
+    kq = unpack_codes(qkv.k_codes.transpose(-1, -2), cfg.key_bits)
+    vq = unpack_codes(qkv.v_codes.transpose(-1, -2), cfg.value_bits)
     g = cfg.tile
     for h in range(2):
         for n in range(2):
@@ -101,6 +102,8 @@ def test_record_byte_layout_field_offsets():
     for name, n in [("k_codes", 8192), ("k_row_scale", 256), ("k_row_zero", 256), ("k_col_scale", 256),
                     ("v_codes", 4096), ("v_col_scale", 256), ("v_row_scale", 256), ("v_row_zero", 256)]:
         field = getattr(qkv, name)[0, 0, 0]
+        if name.endswith("codes"):  # stored transposed; the record holds the spec's [rows, cols / P]
+            field = field.T
         chunk = rec[off:off + n]
         assert torch.equal(chunk, le16(field)), name
         off += n
@@ -166,7 +169,7 @@ def test_exposes_fields_and_shapes():
     cfg = KVarNConfig.from_name("k4v2_g128")
     k, v = synthetic_kv(b=2, h=3, t=256, d=128)
     q = quantize_kv(k, v, cfg)
-    assert q.k_codes.shape == (2, 3, 2, 128, 64) and q.v_codes.shape == (2, 3, 2, 128, 32)
+    assert q.k_codes.shape == (2, 3, 2, 64, 128) and q.v_codes.shape == (2, 3, 2, 32, 128)
     assert q.k_row_scale.dtype == torch.float16 and q.k_col_scale.shape == (2, 3, 2, 128)
     assert q.v_row_scale.shape == (2, 3, 2, 128) and q.v_col_scale.shape == (2, 3, 2, 128)
     assert q.nbytes == 2 * 3 * 2 * 13824

@@ -1,30 +1,36 @@
 """Fused decode attention over [fp sink | packed KVarN tiles | fp tail]: twin of
 :func:`kvarn.attention.decode_attention` (same signature, same result within fp16 tolerance).
 
-One program per (sequence, KV head, split). Its ``GROUP * Tq`` query rows (all query heads that
-share the KV head, times the query tokens) form one ``BLOCK_M`` block, so every tile is read and
-unpacked once per group. The query is rotated in the kernel (``q' = q @ H``, H as exact +-1 fp16
-times ``1/sqrt(D)``); the output is un-rotated in the kernel (one split) or in the combine kernel.
+Programs: per (sequence, KV head), ``fp_splits`` programs over the full-precision sink and tail
+and ``tile_splits`` programs over ranges of quantized tiles. Each program reads its tiles once for
+all ``M = GROUP * Tq`` query rows of the KV head. Every program writes ``(m, l, acc)``; the last
+program of a (sequence, head) to finish (an atomic counter) merges them and un-rotates.
 
-Per quantized tile the scales are folded (spec section 5) so that only raw codes enter the matrix
-units, two ``tl.dot`` per tile:
+Orientation: both products are transposed, so the packed codes are the left (register) operand
+and the small side is the query rows. With the scales folded (spec section 5):
 
-    s[m, g]  = rK[g] * ( (q' * sK)[m, :] @ codes_K[:, g] + q'[m, :] . zK )
-    o'[m, d] += cV[d] * ( (p * sV)[m, :] @ codes_V[:, d] + p[m, :] . zV )
+    S^T[g, m]  = rK[g] * ( codes_K^T[g, :] @ (q' * sK)^T[:, m] + q'[m, :] . zK )
+    O'^T[d, m] += cV[d] * ( codes_V^T[d, :] @ (p * sV)[:, m] + p[:, m] . zV )
 
-The fp32 left operands (q' * sK, p * sV, and the output before un-rotation) are split into fp16
-high and low halves stacked as extra rows of the same MMA (``precise``, the default; see
-``dot_split``): the codes are exact in fp16, so the products are then accurate to about 2^-22
-instead of 2^-11, which matters where the dot cancels against the zero-point term.
+Token and channel order: the codes are never put back in natural order. A K byte holds ``P`` tokens
+of one channel (``P = 8 / bits``), so bit plane ``i`` of the K bytes is the token group
+``{P t + i}``: its scores, softmax weights, ``rK`` and the matching V rows (loaded with row stride
+``P``) stay in that group. A V byte holds ``P`` channels of one token, so bit plane ``j`` of the V
+bytes is the channel group ``{P c + j}``, with its own accumulator; only the store of the partial
+result puts channels back at ``P c + j``. Softmax and the sum over tokens do not depend on token
+order, and the output does not depend on channel order once stored at its index, so the result is
+the natural one. The codes only cross shared memory as bytes (the byte transpose into the MMA
+operand layout); unpacking is elementwise in that layout (:func:`decode_blocks.code_plane`).
 
-Codes are unpacked without integer-to-float conversion: a 2- or 4-bit code c in the low bits of a
-byte, read as fp8 e4m3, is exactly ``c / 512`` (subnormals and the first binade), and the hardware
-converts fp8 to fp16 directly; the 512 is folded into the scales. The packed bytes of a tile are
-loaded whole (contiguous rows) and the codes put back in natural order with ``tl.join``; the next
-tile's bytes and scales are loaded before the current tile is computed, so loads stay in flight.
+Precision: the fp32 right operands (``q' sK``, ``p sV``, the query before and the output after the
+rotation) enter the MMA as fp16 high and low halves in adjacent columns (``hilo``), so products
+are accurate to about 2^-22: codes are exact in fp16 and the dot cancels against the zero-point
+term where keys have a large per-channel offset.
 
-Long contexts at small batch are split over tiles (split-K): each split writes ``(m, l, acc)`` and
-a combine kernel merges them; the fp sink and tail then get a split of their own.
+Per-head frames (kvarn-auto): ``key_rotated[b, h]`` false means that head's keys are stored in the
+model frame, so the unrotated query scores them; ``value_rotated[b, h]`` false means its values
+are, so its output is not un-rotated. With ``fp_frame="model"`` the sink and tail are scored by the
+unrotated query and their part of the output is added after the un-rotation.
 """
 
 from __future__ import annotations
@@ -40,12 +46,58 @@ from ..attention import check_decode_inputs
 from ..codec import TileFields
 from ..config import KVarNConfig
 from ..hadamard import hadamard_matrix
-from .decode_blocks import dot_split, fp_block, load_tile, unpack_rows
-from .layout import check_device, empty_fields, lead_strides
+from .decode_blocks import code_plane, fp_block, hilo, interleave_rows, pair_sum, prefetch_l2, rotate_rows
+from .layout import check_device, empty_fields, interpreting, lead_strides
 
 LOG2E = 1.4426950408889634
+BLOCK_N = tl.constexpr(32)  # full-precision tokens per step
+PROGRAMS_PER_SM = 8  # resident 2-warp programs per multiprocessor at the register cap
 MIN_TILES_PER_SPLIT = 4
-PROGRAMS_PER_SM = 4
+MAX_SPLITS = 64
+MAXNREG = 128
+
+
+@triton.jit
+def _tile_step(
+    qt, n, b64, h64, m_i, l_i, accs, t, c, d, g,
+    kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
+    kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
+    vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
+    vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
+    D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+    KSCALE: tl.constexpr, VSCALE: tl.constexpr, ASM: tl.constexpr,
+):
+    """One quantized tile: scores per K bit plane, online softmax in token order, V per bit plane."""
+    PK: tl.constexpr = 8 // KB
+    PV: tl.constexpr = 8 // VB
+    n64 = b64 * 0 + n
+    # K bytes [G/PK, D] and V bytes [D/PV, G]: rows run along each product's reduction axis.
+    kc = tl.load(kc_ptr + b64 * kc_sb + h64 * kc_sh + n64 * kc_sn + t[:, None] * D + d[None, :])
+    vc = tl.load(vc_ptr + b64 * vc_sb + h64 * vc_sh + n64 * vc_sn + c[:, None] * G + g[None, :])
+    sk = tl.load(ks_ptr + b64 * ks_sb + h64 * ks_sh + n64 * ks_sn + d).to(tl.float32)
+    zk = tl.load(kz_ptr + b64 * kz_sb + h64 * kz_sh + n64 * kz_sn + d).to(tl.float32)
+    rk = tl.load(kr_ptr + b64 * kr_sb + h64 * kr_sh + n64 * kr_sn + g).to(tl.float32)
+    sv = tl.load(vs_ptr + b64 * vs_sb + h64 * vs_sh + n64 * vs_sn + g).to(tl.float32)
+    zv = tl.load(vz_ptr + b64 * vz_sb + h64 * vz_sh + n64 * vz_sn + g).to(tl.float32)
+    bqs = hilo(qt * (sk * KSCALE)[:, None])  # [D, 2M]
+    qz = tl.sum(qt * zk[:, None], axis=0)  # [M]
+    raw = ()
+    for i in tl.static_range(PK):
+        raw = raw + (pair_sum(tl.dot(code_plane(kc, i * KB, KB, ASM), bqs)),)  # tokens PK t + i
+    s = (interleave_rows(raw, PK) + qz[None, :]) * rk[:, None]  # [G, M], token order
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    zs = tl.sum(p * zv[:, None], axis=0)
+    bp = hilo(p * (sv * VSCALE)[:, None])  # [G, 2M]
+    cbase = b64 * vcs_sb + h64 * vcs_sh + n64 * vcs_sn
+    new = ()
+    for j in tl.static_range(PV):
+        cv = tl.load(vcs_ptr + cbase + c * PV + j).to(tl.float32)
+        y = pair_sum(tl.dot(code_plane(vc, j * VB, VB, ASM), bp))  # channels PV c + j
+        new = new + (accs[j] * alpha[None, :] + (y + zs[None, :]) * cv[:, None],)
+    return m_new, l_i, new
 
 
 @triton.jit
@@ -57,13 +109,14 @@ def _decode_attention_kernel(
     kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
     vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
     vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
-    n_len_ptr,
-    o_ptr, o_sb, o_sh, o_st, pacc_ptr, pml_ptr,
-    HK, qk_scale, inv_sqrt_d, TILES_PER_SPLIT, TILE_SPLITS,
+    n_len_ptr, krot_ptr, vrot_ptr,
+    o_ptr, o_sb, o_sh, o_st, pacc_ptr, pml_ptr, count_ptr,
+    HK, qk_scale, inv_sqrt_d, TILES_PER_SPLIT, FP_SPLITS, NS,
     D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
-    GROUP: tl.constexpr, TQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP_SPLIT: tl.constexpr, CAUSAL: tl.constexpr, FP_ROTATED: tl.constexpr,
-    KSCALE: tl.constexpr, VSCALE: tl.constexpr, PRECISE: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+    GROUP: tl.constexpr, TQ: tl.constexpr, M: tl.constexpr,
+    CAUSAL: tl.constexpr, FP_ROTATED: tl.constexpr, FLAGS: tl.constexpr, SINGLE: tl.constexpr,
+    KSCALE: tl.constexpr, VSCALE: tl.constexpr, ASM: tl.constexpr, QHILO: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
@@ -71,118 +124,145 @@ def _decode_attention_kernel(
     h = bh % HK
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
+    PV: tl.constexpr = 8 // VB
+    DP: tl.constexpr = D // PV
+    S_BLOCKS = tl.cdiv(S_CAP, BLOCK_N)
 
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, M)
     row_ok = rows < GROUP * TQ
     qi = rows % TQ  # query token of each row
     qh = h * GROUP + rows // TQ  # query head of each row
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + b64 * q_sb + qh[:, None].to(tl.int64) * q_sh + qi[:, None] * q_st + d[None, :],
-                mask=row_ok[:, None], other=0.0)
-    hmat = tl.load(h_ptr + d[:, None] * D + d[None, :])  # +-1, fp16
-    # q is fp16 and H is +-1, so the product is exact in fp32 (the split only pads the block to 16 rows).
-    qr = dot_split(q.to(tl.float32), hmat, PRECISE, SPLIT_ROWS) * (inv_sqrt_d * qk_scale)  # rotated, log2 domain
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-
-    if FP_SPLIT:
-        fp_sp = TILE_SPLITS
+    q_off = b64 * q_sb + qh.to(tl.int64) * q_sh + qi * q_st
+    if FLAGS:
+        k_rot = tl.load(krot_ptr + bh).to(tl.int32)
+        v_rot = tl.load(vrot_ptr + bh).to(tl.int32)
     else:
-        fp_sp = 0
-    if sp == fp_sp:
-        big = tl.full([BLOCK_M], 1 << 30, tl.int32)
+        k_rot = bh * 0 + 1
+        v_rot = bh * 0 + 1
+    FP_ROT: tl.constexpr = 1 if FP_ROTATED else 0
+    # Sink and tail have a frame of their own: with fp_frame="model" they are scored unrotated.
+    q_rot = tl.where(sp < FP_SPLITS, k_rot * FP_ROT, k_rot)
+    if q_rot != 0:
+        q = rotate_rows(q_ptr, q_off, row_ok, h_ptr, D, QHILO, "") * (inv_sqrt_d * qk_scale)  # log2 domain
+    else:
+        q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+    qt = tl.trans(q)  # [D, M]
+
+    m_i = tl.full([M], float("-inf"), tl.float32)
+    l_i = tl.zeros([M], tl.float32)
+    accs = ()
+    for j in tl.static_range(PV):
+        accs = accs + (tl.zeros([DP, M], tl.float32),)
+
+    if sp < FP_SPLITS:
+        bq = hilo(qt)
+        big = tl.full([M], 1 << 30, tl.int32)
         s_len = tl.load(s_len_ptr + b)
-        for n0 in range(0, S_CAP, BLOCK_N):
-            m_i, l_i, acc = fp_block(qr, sk_ptr, sv_ptr, b64 * s_sb + h64 * s_sh, s_sn, n0, s_len, big,
-                                     m_i, l_i, acc, hmat, inv_sqrt_d, D, BLOCK_N, FP_ROTATED, PRECISE, SPLIT_ROWS)
         t_len = tl.load(t_len_ptr + b)
         if CAUSAL:
             lim = t_len - TQ + 1 + qi
         else:
             lim = big
-        for n0 in range(0, R_CAP, BLOCK_N):
-            m_i, l_i, acc = fp_block(qr, tk_ptr, tv_ptr, b64 * t_sb + h64 * t_sh, t_sn, n0, t_len, lim,
-                                     m_i, l_i, acc, hmat, inv_sqrt_d, D, BLOCK_N, FP_ROTATED, PRECISE, SPLIT_ROWS)
-
-    if sp < TILE_SPLITS:
+        n_blocks = S_BLOCKS + tl.cdiv(R_CAP, BLOCK_N)
+        for blk in range(sp, n_blocks, FP_SPLITS):
+            if blk < S_BLOCKS:
+                m_i, l_i, accs = fp_block(bq, sk_ptr, sv_ptr, b64 * s_sb + h64 * s_sh, s_sn,
+                                          blk * BLOCK_N, s_len, big, m_i, l_i, accs, D, PV, BLOCK_N)
+            else:
+                m_i, l_i, accs = fp_block(bq, tk_ptr, tv_ptr, b64 * t_sb + h64 * t_sh, t_sn,
+                                          (blk - S_BLOCKS) * BLOCK_N, t_len, lim, m_i, l_i, accs, D, PV, BLOCK_N)
+    else:
         n_len = tl.load(n_len_ptr + b)
-        t_start = sp * TILES_PER_SPLIT
+        t_start = (sp - FP_SPLITS) * TILES_PER_SPLIT
         t_end = tl.minimum(t_start + TILES_PER_SPLIT, n_len)
-        rows_g = tl.arange(0, G)
-        cols_kb = tl.arange(0, G * KB // 8)
-        cols_vb = tl.arange(0, D * VB // 8)
-        # Prefetch: tile n+1 is loaded before tile n is computed (clamped: a harmless reload at the end).
-        kc, vc, sk, zk, rk, cv, sv, zv = load_tile(
-            tl.minimum(t_start, tl.maximum(t_end - 1, 0)), b64, h64, d, rows_g, cols_kb, cols_vb,
-            kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
-            kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
-            vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
-            vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn, D, G, KB, VB)
+        t = tl.arange(0, G // (8 // KB))
+        c = tl.arange(0, DP)
+        g = tl.arange(0, G)
+        KL: tl.constexpr = G * KB * D // 8 // 128  # 128-byte lines of the K codes of a tile
+        VL: tl.constexpr = G * VB * D // 8 // 128
+        lines = tl.arange(0, triton.next_power_of_2(KL + VL))
         for n in range(t_start, t_end):
-            kc2, vc2, sk2, zk2, rk2, cv2, sv2, zv2 = load_tile(
-                tl.minimum(n + 1, t_end - 1), b64, h64, d, rows_g, cols_kb, cols_vb,
+            if PREFETCH:
+                nxt = b64 * 0 + tl.minimum(n + 1, t_end - 1)
+                kl = tl.minimum(lines, KL - 1)
+                vl = tl.minimum(tl.maximum(lines - KL, 0), VL - 1)
+                prefetch_l2(tl.where(lines < KL, kc_ptr + b64 * kc_sb + h64 * kc_sh + nxt * kc_sn + kl * 128,
+                                     vc_ptr + b64 * vc_sb + h64 * vc_sh + nxt * vc_sn + vl * 128))
+            m_i, l_i, accs = _tile_step(
+                qt, n, b64, h64, m_i, l_i, accs, t, c, d, g,
                 kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
                 kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
                 vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
-                vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn, D, G, KB, VB)
-            qs = qr * (sk.to(tl.float32) * KSCALE)[None, :]
-            qz = tl.sum(qr * zk.to(tl.float32)[None, :], axis=1)
-            s = (dot_split(qs, unpack_rows(kc, D, G, KB), PRECISE, SPLIT_ROWS) + qz[:, None]) * rk.to(tl.float32)[None, :]
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-            ps = p * (sv.to(tl.float32) * VSCALE)[None, :]
-            zs = tl.sum(p * zv.to(tl.float32)[None, :], axis=1)
-            pv = dot_split(ps, unpack_rows(vc, G, D, VB), PRECISE, SPLIT_ROWS)
-            acc = acc * alpha[:, None] + (pv + zs[:, None]) * cv.to(tl.float32)[None, :]
-            kc, vc, sk, zk, rk, cv, sv, zv = kc2, vc2, sk2, zk2, rk2, cv2, sv2, zv2
+                vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
+                D, G, KB, VB, KSCALE, VSCALE, ASM)
 
-    if not FP_SPLIT:
-        # One split: normalize and un-rotate here.
-        inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-        o = dot_split(acc * inv_l[:, None], hmat, PRECISE, SPLIT_ROWS) * inv_sqrt_d
-        tl.store(o_ptr + b64 * o_sb + qh[:, None].to(tl.int64) * o_sh + qi[:, None] * o_st + d[None, :],
-                 o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    # Partial result of this program: rows = query rows, channels at their natural index.
+    pbase = (bh.to(tl.int64) * NS + sp) * M
+    c = tl.arange(0, DP)
+    for j in tl.static_range(PV):
+        tl.store(pacc_ptr + (pbase + rows[None, :]) * D + (c * PV + j)[:, None], accs[j])
+    tl.store(pml_ptr + (pbase + rows) * 2, m_i)
+    tl.store(pml_ptr + (pbase + rows) * 2 + 1, l_i)
+
+    if SINGLE:  # this program's own stores: a CTA barrier makes them visible to all its threads
+        tl.debug_barrier()
+        _merge(pacc_ptr, pml_ptr, h_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS, FP_SPLITS, v_rot * FP_ROT, v_rot,
+               inv_sqrt_d, rows, row_ok, qi, qh, D, M, "")
     else:
-        NS = TILE_SPLITS + 1
-        pbase = (bh.to(tl.int64) * NS + sp) * BLOCK_M
-        tl.store(pacc_ptr + (pbase + rows[:, None]) * D + d[None, :], acc)
-        tl.store(pml_ptr + (pbase + rows) * 2, m_i)
-        tl.store(pml_ptr + (pbase + rows) * 2 + 1, l_i)
+        # All threads' stores are done (barrier) before the release; the acquire makes the other
+        # programs' partials visible to the last one, which reads them past L1 (.cg).
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
+        if done == NS - 1:
+            tl.store(count_ptr + bh, 0)  # ready for the next launch
+            _merge(pacc_ptr, pml_ptr, h_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS, FP_SPLITS, v_rot * FP_ROT,
+                   v_rot, inv_sqrt_d, rows, row_ok, qi, qh, D, M, ".cg")
 
 
 @triton.jit
-def _combine_kernel(
-    pacc_ptr, pml_ptr, h_ptr, o_ptr, o_sb, o_sh, o_st, HK, inv_sqrt_d,
-    NS, D: tl.constexpr, GROUP: tl.constexpr, TQ: tl.constexpr, BLOCK_M: tl.constexpr,
-    PRECISE: tl.constexpr, SPLIT_ROWS: tl.constexpr,
-):
-    bh = tl.program_id(0)
-    b = bh // HK
-    h = bh % HK
-    rows = tl.arange(0, BLOCK_M)
+def _merge(pacc_ptr, pml_ptr, h_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS, FP_SPLITS, fp_out_rot,
+           v_rot, inv_sqrt_d, rows, row_ok, qi, qh, D: tl.constexpr, M: tl.constexpr, CACHE: tl.constexpr):
+    """Merge the NS partials of one (sequence, head): rotated-frame ones are un-rotated together."""
+    SB: tl.constexpr = 8  # partials loaded per step (loads in flight)
     d = tl.arange(0, D)
-    m_tot = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(NS):
-        m_tot = tl.maximum(m_tot, tl.load(pml_ptr + ((bh.to(tl.int64) * NS + s) * BLOCK_M + rows) * 2))
+    s_off = tl.arange(0, SB)
+    base = bh.to(tl.int64) * NS
+    m_tot = tl.full([M], float("-inf"), tl.float32)
+    for s0 in range(0, NS, SB):
+        s_idx = s0 + s_off
+        ml = tl.load(pml_ptr + ((base + s_idx[:, None]) * M + rows[None, :]) * 2,
+                     mask=(s_idx < NS)[:, None], other=float("-inf"), cache_modifier=CACHE)
+        m_tot = tl.maximum(m_tot, tl.max(ml, axis=0))
     m_safe = tl.where(m_tot == float("-inf"), 0.0, m_tot)
-    l_tot = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for s in range(NS):
-        base = (bh.to(tl.int64) * NS + s) * BLOCK_M
-        w = tl.exp2(tl.load(pml_ptr + (base + rows) * 2) - m_safe)
-        l_tot += w * tl.load(pml_ptr + (base + rows) * 2 + 1)
-        acc += w[:, None] * tl.load(pacc_ptr + (base + rows[:, None]) * D + d[None, :])
+    l_tot = tl.zeros([M], tl.float32)
+    acc_rot = tl.zeros([M, D], tl.float32)
+    acc_model = tl.zeros([M, D], tl.float32)
+    for s0 in range(0, NS, SB):
+        s_idx = s0 + s_off
+        ok = s_idx < NS
+        off = (base + s_idx[:, None]) * M + rows[None, :]  # [SB, M]
+        m_s = tl.load(pml_ptr + off * 2, mask=ok[:, None], other=float("-inf"), cache_modifier=CACHE)
+        l_s = tl.load(pml_ptr + off * 2 + 1, mask=ok[:, None], other=0.0, cache_modifier=CACHE)
+        a_s = tl.load(pacc_ptr + off[:, :, None] * D + d[None, None, :], mask=ok[:, None, None], other=0.0,
+                      cache_modifier=CACHE)
+        w = tl.exp2(m_s - m_safe[None, :])  # [SB, M]
+        l_tot += tl.sum(w * l_s, axis=0)
+        is_fp = s_idx < FP_SPLITS
+        rot = tl.where(is_fp, fp_out_rot, v_rot) != 0  # [SB]: partial in the rotated frame
+        wa = w[:, :, None] * a_s
+        acc_rot += tl.sum(tl.where(rot[:, None, None], wa, 0.0), axis=0)
+        acc_model += tl.sum(tl.where(rot[:, None, None], 0.0, wa), axis=0)
+    # The rotated-frame sum is un-rotated from memory (chunked, see rotate_rows): slot 0 of this
+    # (sequence, head) has been read, so it holds it; a CTA barrier orders the write and the reads.
+    slot = (base * M + rows) * D
+    tl.store(pacc_ptr + slot[:, None] + d[None, :], acc_rot)
+    tl.debug_barrier()
+    o = rotate_rows(pacc_ptr, slot, rows >= 0, h_ptr, D, True, CACHE) * inv_sqrt_d + acc_model
     inv_l = tl.where(l_tot > 0, 1.0 / l_tot, 0.0)
-    o = dot_split(acc * inv_l[:, None], tl.load(h_ptr + d[:, None] * D + d[None, :]), PRECISE, SPLIT_ROWS) * inv_sqrt_d
-    qi = rows % TQ
-    qh = h * GROUP + rows // TQ
-    tl.store(o_ptr + b.to(tl.int64) * o_sb + qh[:, None].to(tl.int64) * o_sh + qi[:, None] * o_st + d[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=(rows < GROUP * TQ)[:, None])
+    o = o * inv_l[:, None]
+    tl.store(o_ptr + b64 * o_sb + qh[:, None].to(tl.int64) * o_sh + qi[:, None] * o_st + d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @functools.lru_cache(maxsize=16)
@@ -191,24 +271,54 @@ def _pm1_hadamard(d: int, device: torch.device) -> torch.Tensor:
     return (hadamard_matrix(d, device, torch.float32) * math.sqrt(d)).round().to(torch.float16)
 
 
+_COUNTERS: dict = {}
+
+
+def _counters(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, head); each launch leaves them zero again."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"decode_attention: call once with {n} (sequence, head) pairs before graph capture")
+        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
 
 
-def plan_splits(batch_heads: int, n_tiles: int, device: torch.device) -> int:
-    """Tile splits so that about PROGRAMS_PER_SM programs per multiprocessor run, each over >= 4 tiles."""
-    if n_tiles == 0:
-        return 1
-    want = max(1, -(-PROGRAMS_PER_SM * _num_sms(device) // batch_heads))
-    return max(1, min(want, -(-n_tiles // MIN_TILES_PER_SPLIT)))
+def plan_splits(batch_heads: int, n_tiles: int, fp_tokens: int, device: torch.device) -> tuple[int, int]:
+    """(tile splits, fp splits) per (sequence, head).
+
+    About two waves of PROGRAMS_PER_SM programs per multiprocessor (measured faster than one on
+    the H200: a program's prologue overlaps another's tiles), at least MIN_TILES_PER_SPLIT tiles per
+    split and at most MAX_SPLITS splits: the last program merges every split's partial alone, so
+    many tiny splits cost more in the merge than they gain (batch 1). The fp region (a BLOCK_N
+    block of fp16 tokens reads as much as ~3 tiles) is split when the tiles alone leave room.
+    """
+    want = max(1, -(-2 * PROGRAMS_PER_SM * _num_sms(device) // batch_heads))
+    tile_splits = max(1, min(want, -(-n_tiles // MIN_TILES_PER_SPLIT), MAX_SPLITS)) if n_tiles else 0
+    fp_blocks = -(-fp_tokens // BLOCK_N)
+    fp_splits = min(fp_blocks, max(1, want // 32)) if fp_blocks else 0
+    return tile_splits, fp_splits
 
 
 def _lengths(x, full, batch, device):
     if x is None:
         return torch.full((batch,), full, dtype=torch.int32, device=device)
     return x.to(device=device, dtype=torch.int32)
+
+
+def _flags(x, name, b, hk, device):
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor) or tuple(x.shape) != (b, hk):
+        raise ValueError(f"{name} must be a bool tensor [B={b}, Hk={hk}], got {getattr(x, 'shape', x)}")
+    return x.to(device=device, dtype=torch.int8).contiguous()
 
 
 def decode_attention(
@@ -226,25 +336,25 @@ def decode_attention(
     tail_lengths: torch.Tensor | None = None,
     causal: bool = True,
     fp_frame: str = "rotated",
+    key_rotated: torch.Tensor | None = None,
+    value_rotated: torch.Tensor | None = None,
     num_splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 1,
-    precise: bool = True,
-    split_rows: bool = True,
+    fp_splits: int | None = None,
+    num_warps: int | None = None,
+    max_registers: int | None = None,
+    l2_prefetch: bool = True,
 ) -> torch.Tensor:
     """Same contract as :func:`kvarn.attention.decode_attention` (see there for shapes), on CUDA.
 
     Requirements beyond the reference: D and G at least 64; the last axis of query, sink and tail
     contiguous; tile fields contiguous within a tile (views of a record buffer are fine).
-    ``num_splits``: tile splits (default: planned from the batch and the SM count); ``num_warps``:
-    warps per program and ``num_stages``: Triton's software pipelining depth (tuning knobs; the
-    kernel prefetches the next tile itself, so 1 is the default); ``precise``: fp32 operands split
-    into two fp16 halves for the matrix units (off: one fp16 MMA per product, whose error can exceed
-    the test bound of twice torch's fp16 error on keys with large per-channel offsets);
-    ``split_rows``: the two halves go through one MMA as extra query rows rather than two MMAs
-    (tuning knob; the default is the faster on the H200, BENCHMARKS.md). With
-    ``causal`` and Tq > 1 the tail length precondition (R >= Tq) is the caller's: it is not checked
-    on the device, to avoid a host synchronization.
+    Tuning knobs: ``num_splits`` (tile splits per sequence and head) and ``fp_splits`` (programs
+    over the sink and tail), both planned from the batch and the SM count by default;
+    ``num_warps`` (2 by default, 4 for more than 8 query rows) and ``max_registers`` per thread
+    (128 by default with 2 warps and D <= 128: a full wave of programs per multiprocessor);
+    ``l2_prefetch``: ask L2 for the next tile's codes while a tile is computed. With ``causal`` and Tq > 1 the tail
+    length precondition (R >= Tq) is the caller's: it is not checked on the device, to avoid a
+    host synchronization.
     """
     b, hq, tq, d, hk = check_decode_inputs(query, sink_k, sink_v, tiles, tail_k, tail_v, config)
     if fp_frame not in ("rotated", "model"):
@@ -254,12 +364,14 @@ def decode_attention(
     check_device(query, sink_k, tail_k, None if tiles is None else tiles.k_codes)
     dev = query.device
     group = hq // hk
-    precise = bool(precise)
-    split_rows = bool(precise and split_rows)
-    # tl.dot needs at least 16 rows; stacked halves double the block's rows.
-    block_m = max(8 if split_rows else 16, triton.next_power_of_2(group * tq))
+    m = max(4, triton.next_power_of_2(group * tq))
     scale = (1.0 / math.sqrt(d) if scaling is None else float(scaling)) * LOG2E
     hmat = _pm1_hadamard(d, dev)
+    krot = _flags(key_rotated, "key_rotated", b, hk, dev)
+    vrot = _flags(value_rotated, "value_rotated", b, hk, dev)
+    if (krot is None) != (vrot is None):
+        krot = torch.ones(b, hk, dtype=torch.int8, device=dev) if krot is None else krot
+        vrot = torch.ones(b, hk, dtype=torch.int8, device=dev) if vrot is None else vrot
 
     dummy = query.new_zeros(1, 1, 1, d)
     sk, sv = (sink_k, sink_v) if sink_k is not None else (dummy, dummy)
@@ -274,7 +386,7 @@ def decode_attention(
     n_cap = 0 if tiles is None else tiles.k_codes.shape[2]
 
     no_tiles = tiles is None or n_cap == 0
-    if no_tiles:  # one placeholder tile, never computed with: only the prefetch reads it
+    if no_tiles:  # a placeholder, never read
         tiles, n_cap = empty_fields((1, 1, 1), config, d, dev), 0
     tile_args = []
     for name, inner in (("k_codes", 2), ("k_row_scale", 1), ("k_row_zero", 1), ("k_col_scale", 1),
@@ -282,36 +394,37 @@ def decode_attention(
         x = getattr(tiles, name)
         tile_args += [x, *((0, 0, 0) if no_tiles else lead_strides(x, 3, inner))]
 
-    splits = num_splits if num_splits is not None else plan_splits(b * hk, n_cap, dev)
-    splits = max(1, min(int(splits), max(1, n_cap)))
-    per_split = max(1, -(-n_cap // splits))
-    splits = max(1, -(-n_cap // per_split)) if n_cap else 1
-    fp_split = 1 if splits > 1 else 0
-    ns = splits + fp_split
+    plan_t, plan_f = plan_splits(b * hk, n_cap, s_cap + r_cap, dev)
+    splits = plan_t if num_splits is None else max(1, min(int(num_splits), n_cap)) if n_cap else 0
+    per_split = -(-n_cap // splits) if splits else 1
+    splits = -(-n_cap // per_split) if splits else 0
+    fp_blocks = -(-(s_cap + r_cap) // BLOCK_N)
+    fps = plan_f if fp_splits is None else max(1, min(int(fp_splits), fp_blocks)) if fp_blocks else 0
+    ns = splits + fps
+    if ns == 0:  # nothing to attend to: every query sees no key
+        return torch.zeros_like(query)
+    warps = num_warps if num_warps is not None else (2 if m <= 8 else 4)
+    # The cap keeps a full wave resident at D <= 128; wider heads need the registers (no spills).
+    regs = max_registers if max_registers is not None else (MAXNREG if warps == 2 and d <= 128 else None)
 
     out = torch.empty_like(query)
-    if ns > 1:
-        pacc = torch.empty(b * hk * ns * block_m * d, dtype=torch.float32, device=dev)
-        pml = torch.empty(b * hk * ns * block_m * 2, dtype=torch.float32, device=dev)
-    else:
-        pacc = pml = torch.empty(1, dtype=torch.float32, device=dev)
+    pacc = torch.empty(b * hk * ns * m * d, dtype=torch.float32, device=dev)
+    pml = torch.empty(b * hk * ns * m * 2, dtype=torch.float32, device=dev)
+    counts = _counters(b * hk, dev)
+    flags = krot if krot is not None else counts
+    opts = {} if interpreting() or regs is None else {"maxnreg": int(regs)}
     _decode_attention_kernel[(b * hk, ns)](
         query, query.stride(0), query.stride(1), query.stride(2), hmat,
         sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), _lengths(sink_lengths, s_cap, b, dev), s_cap,
         tk, tv, tk.stride(0), tk.stride(1), tk.stride(2), _lengths(tail_lengths, r_cap, b, dev), r_cap,
-        *tile_args, _lengths(tile_counts, n_cap, b, dev),
-        out, out.stride(0), out.stride(1), out.stride(2), pacc, pml,
-        hk, scale, 1.0 / math.sqrt(d), per_split, splits,
+        *tile_args, _lengths(tile_counts, n_cap, b, dev), flags, vrot if vrot is not None else counts,
+        out, out.stride(0), out.stride(1), out.stride(2), pacc, pml, counts,
+        hk, scale, 1.0 / math.sqrt(d), per_split, fps, ns,
         D=d, G=config.tile, KB=config.key_bits, VB=config.value_bits,
-        GROUP=group, TQ=tq, BLOCK_M=block_m, BLOCK_N=64,
-        FP_SPLIT=fp_split, CAUSAL=causal, FP_ROTATED=fp_frame == "rotated",
+        GROUP=group, TQ=tq, M=m, CAUSAL=causal, FP_ROTATED=fp_frame == "rotated", FLAGS=krot is not None,
+        SINGLE=ns == 1,
         KSCALE=1.0 if config.key_bits == 8 else 512.0, VSCALE=1.0 if config.value_bits == 8 else 512.0,
-        PRECISE=precise, SPLIT_ROWS=split_rows, num_warps=num_warps, num_stages=num_stages,
+        ASM=not interpreting(), QHILO=query.dtype != torch.float16,
+        PREFETCH=bool(l2_prefetch) and not interpreting(), num_warps=warps, num_stages=1, **opts,
     )
-    if ns > 1:
-        _combine_kernel[(b * hk,)](
-            pacc, pml, hmat, out, out.stride(0), out.stride(1), out.stride(2), hk, 1.0 / math.sqrt(d), ns,
-            D=d, GROUP=group, TQ=tq, BLOCK_M=block_m, PRECISE=precise, SPLIT_ROWS=split_rows,
-            num_warps=4,
-        )
     return out

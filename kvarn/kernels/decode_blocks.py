@@ -1,7 +1,7 @@
 """Triton building blocks of the fused decode kernel (:mod:`kvarn.kernels.decode`).
 
-Unpacking packed codes, the split-precision product, the online-softmax step over full-precision
-tokens (sink and tail) and the loads of one tile's codes and scales.
+Code planes, the split-precision product, the Hadamard rotation of a few rows, and the online
+softmax step over a block of full-precision tokens (sink and tail).
 """
 
 import triton
@@ -9,97 +9,139 @@ import triton.language as tl
 
 
 @triton.jit
-def unpack_rows(c, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr):
-    """Packed bytes ``[R, C * BITS / 8]`` -> fp16 ``[R, C]`` codes / CODE_SCALE, natural column order.
+def code_plane(c, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Packed bytes -> fp16 codes of one bit plane: the code at bit offset SHIFT of every byte.
 
-    CODE_SCALE is 512 for 2/4-bit (fp8 e4m3 reading of the low bits), 1 for 8-bit.
+    2/4-bit codes come out as ``code / 512``: the code in the low bits of a byte, read as fp8 e4m3,
+    is exactly that (subnormals and the first binade), and the hardware converts fp8 pairs to fp16
+    (the caller folds 512 into the scales). 8-bit codes come out as themselves. ASM does the
+    mask/shift on 32-bit words (four bytes at once) and two paired conversions in one inline-PTX
+    block; the plain form is the same arithmetic, for the interpreter.
     """
     if BITS == 8:
         y = c.to(tl.float16)
-    elif BITS == 4:
-        x = tl.join(c & 15, c >> 4)  # [R, C/2, 2]: column 2j + a
-        y = tl.reshape(x, [R, C]).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    elif ASM:
+        mask: tl.constexpr = 0x03030303 if BITS == 2 else 0x0F0F0F0F
+        y = tl.inline_asm_elementwise(
+            asm=f"""{{
+            .reg .b32 t;
+            .reg .b16 lo, hi;
+            shr.b32 t, $2, {SHIFT};
+            and.b32 t, t, {mask};
+            mov.b32 {{lo, hi}}, t;
+            cvt.rn.f16x2.e4m3x2 $0, lo;
+            cvt.rn.f16x2.e4m3x2 $1, hi;
+            }}""",
+            constraints="=r,=r,r", args=[c], dtype=tl.float16, is_pure=True, pack=4)
     else:
-        x = tl.join(tl.join(c & 3, (c >> 4) & 3), tl.join((c >> 2) & 3, c >> 6))  # [R, C/4, 2, 2]
-        # element [j, a, b] is the code 4j + 2a + b
-        y = tl.reshape(x, [R, C]).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        y = ((c >> SHIFT) & ((1 << BITS) - 1)).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     return y
 
 
 @triton.jit
-def dot_split(a, b, PRECISE: tl.constexpr, SPLIT_ROWS: tl.constexpr):
-    """``a @ b`` for fp32 ``a`` and fp16 ``b`` (exact codes or +-1 entries).
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at ``ptrs`` (no registers, no wait): the next tile's bytes."""
+    tl.inline_asm_elementwise(
+        asm="prefetch.global.L2 [$1];\n mov.u32 $0, 0;", constraints="=r,l", args=[ptrs],
+        dtype=tl.int32, is_pure=False, pack=1)
 
-    PRECISE splits ``a`` into fp16 high and low parts, so ``a`` keeps about 22 bits instead of 11.
-    Without it, the folded scales lose accuracy where the dot cancels against the zero-point term
-    (keys with a large per-channel offset), and the output picks up an extra fp16 rounding before
-    the un-rotation. SPLIT_ROWS stacks the two parts as rows of one MMA (``[2M, K] @ b``, then the
-    row halves are added): the query block has idle rows anyway (GQA groups of 4 in a 16-row
-    block), and ``b``, whose operand layout is the expensive part, is fed once. Otherwise: two MMAs.
+
+@triton.jit
+def hilo(x):
+    """fp32 ``[K, N]`` -> fp16 ``[K, 2N]``: column ``2n`` the high half of ``x[:, n]``, ``2n+1`` the rest.
+
+    As the right operand of an MMA whose left operand is exact in fp16 (codes, +-1), the pair keeps
+    about 22 bits of ``x`` instead of 11; :func:`pair_sum` adds the two output columns back.
     """
-    hi = a.to(tl.float16)
-    if PRECISE:
-        lo = (a - hi.to(tl.float32)).to(tl.float16)
-        if SPLIT_ROWS:
-            m: tl.constexpr = a.shape[0]
-            k: tl.constexpr = a.shape[1]
-            n: tl.constexpr = b.shape[1]
-            both = tl.reshape(tl.permute(tl.join(hi, lo), (2, 0, 1)), [2 * m, k])
-            out = tl.sum(tl.reshape(tl.dot(both, b), [2, m, n]), axis=0)
-        else:
-            out = tl.dot(hi, b) + tl.dot(lo, b)
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    k: tl.constexpr = x.shape[0]
+    n: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.join(hi, lo), [k, 2 * n])
+
+
+@triton.jit
+def pair_sum(y):
+    """``[M, 2N]`` -> ``[M, N]``: sum of columns ``2n`` and ``2n+1`` (adjacent in a thread's registers)."""
+    m: tl.constexpr = y.shape[0]
+    n: tl.constexpr = y.shape[1] // 2
+    a, b = tl.split(tl.reshape(y, [m, n, 2]))
+    return a + b
+
+
+@triton.jit
+def interleave_rows(planes, P: tl.constexpr):
+    """P tensors ``[R, N]`` -> ``[P R, N]`` with row ``P r + i`` from ``planes[i][r]``.
+
+    Puts the scores of the P token groups of a K tile (bit plane i: tokens ``P t + i``) back in
+    token order; small (``G x M``), unlike the codes.
+    """
+    if P == 1:
+        y = planes[0]
+    elif P == 2:
+        r: tl.constexpr = planes[0].shape[0]
+        n: tl.constexpr = planes[0].shape[1]
+        y = tl.reshape(tl.permute(tl.join(planes[0], planes[1]), (0, 2, 1)), [2 * r, n])
     else:
-        out = tl.dot(hi, b)
-    return out
+        r: tl.constexpr = planes[0].shape[0]
+        n: tl.constexpr = planes[0].shape[1]
+        x = tl.join(tl.join(planes[0], planes[2]), tl.join(planes[1], planes[3]))  # [r, n, a, b]: plane 2a + b
+        y = tl.reshape(tl.permute(x, (0, 2, 3, 1)), [4 * r, n])
+    return y
+
+
+@triton.jit
+def rotate_rows(x_ptr, row_off, row_ok, h_ptr, D: tl.constexpr, HILO: tl.constexpr, CACHE: tl.constexpr):
+    """``x @ (sqrt(D) H)`` for rows ``x[r] = x_ptr[row_off[r] + 0..D-1]`` (rows not ``row_ok`` read as 0).
+
+    ``h_ptr``: ``sqrt(D) H`` as fp16 ``[D, D]`` (+-1, exact). The product runs over chunks of 32
+    channels (``x[:, c] @ H[c, :]``, loaded chunk by chunk), so only a 32 x D slice of H is live in
+    registers, not all of it. HILO: ``x`` enters as fp16 high + low halves (for fp32 rows; fp16
+    rows are exact as they are), so the result is accurate to about 2^-22.
+    """
+    CH: tl.constexpr = 32
+    r: tl.constexpr = row_off.shape[0]
+    k = tl.arange(0, CH)
+    e = tl.arange(0, D)
+    y = tl.zeros([r, D], tl.float32)
+    for c0 in range(0, D, CH):
+        x = tl.load(x_ptr + row_off[:, None] + (c0 + k)[None, :], mask=row_ok[:, None], other=0.0,
+                    cache_modifier=CACHE).to(tl.float32)
+        hm = tl.load(h_ptr + (c0 + k)[:, None] * D + e[None, :])
+        hi = x.to(tl.float16)
+        y = tl.dot(hi, hm, y)
+        if HILO:
+            y = tl.dot((x - hi.to(tl.float32)).to(tl.float16), hm, y)
+    return y
 
 
 @triton.jit
 def fp_block(
-    qr, k_ptr, v_ptr, base, s_n, n0, n_len, lim, m_i, l_i, acc, hmat, inv_sqrt_d,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, ROTATED: tl.constexpr, PRECISE: tl.constexpr,
-    SPLIT_ROWS: tl.constexpr,
+    bq, k_ptr, v_ptr, base, s_n, n0, n_len, lim, m_i, l_i, accs,
+    D: tl.constexpr, PV: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Online-softmax update with BLOCK_N full-precision tokens starting at n0.
+    """Online-softmax update of the transposed state with BLOCK_N full-precision tokens from n0.
 
-    ROTATED: the stored tokens are already ``x @ H``; otherwise they are rotated here (a small dot).
+    bq: the scaled query, transposed and split (:func:`hilo`), ``[D, 2M]``; lim ``[M]``: positions
+    visible to each query row; accs: PV accumulators ``[D / PV, M]``, accumulator j for channels
+    ``PV * c + j`` (the order the V tiles' bit planes produce), filled here by strided loads.
     """
     offs = n0 + tl.arange(0, BLOCK_N)
     ok = offs < n_len
     d = tl.arange(0, D)
     k = tl.load(k_ptr + base + offs[:, None] * s_n + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
-    v = tl.load(v_ptr + base + offs[:, None] * s_n + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
-    if not ROTATED:
-        k = (tl.dot(k, hmat) * inv_sqrt_d).to(tl.float16)
-        v = (tl.dot(v, hmat) * inv_sqrt_d).to(tl.float16)
-    s = dot_split(qr, tl.trans(k), PRECISE, SPLIT_ROWS)  # [M, BLOCK_N], log2 domain (scale folded into q)
-    vis = ok[None, :] & (offs[None, :] < lim[:, None])
+    s = pair_sum(tl.dot(k, bq))  # [BLOCK_N, M], log2 domain (scale folded into the query)
+    vis = ok[:, None] & (offs[:, None] < lim[None, :])
     s = tl.where(vis, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + dot_split(p, v, PRECISE, SPLIT_ROWS)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def load_tile(
-    n, b64, h64, rows_d, rows_g, cols_kb, cols_vb,
-    kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
-    kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
-    vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
-    vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
-    D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
-):
-    """All bytes of tile n: packed codes and the six fp16 scale vectors."""
-    n64 = b64 * 0 + n  # int64 offsets (the loop index is a plain int in the interpreter)
-    kc = tl.load(kc_ptr + b64 * kc_sb + h64 * kc_sh + n64 * kc_sn + rows_d[:, None] * (G * KB // 8) + cols_kb[None, :])
-    vc = tl.load(vc_ptr + b64 * vc_sb + h64 * vc_sh + n64 * vc_sn + rows_g[:, None] * (D * VB // 8) + cols_vb[None, :])
-    sk = tl.load(ks_ptr + b64 * ks_sb + h64 * ks_sh + n64 * ks_sn + rows_d)
-    zk = tl.load(kz_ptr + b64 * kz_sb + h64 * kz_sh + n64 * kz_sn + rows_d)
-    rk = tl.load(kr_ptr + b64 * kr_sb + h64 * kr_sh + n64 * kr_sn + rows_g)
-    cv = tl.load(vcs_ptr + b64 * vcs_sb + h64 * vcs_sh + n64 * vcs_sn + rows_d)
-    sv = tl.load(vs_ptr + b64 * vs_sb + h64 * vs_sh + n64 * vs_sn + rows_g)
-    zv = tl.load(vz_ptr + b64 * vz_sb + h64 * vz_sh + n64 * vz_sn + rows_g)
-    return kc, vc, sk, zk, rk, cv, sv, zv
+    p = tl.exp2(s - m_safe[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    bp = hilo(p)
+    c = tl.arange(0, D // PV)
+    new = ()
+    for j in tl.static_range(PV):
+        v = tl.load(v_ptr + base + offs[:, None] * s_n + (c * PV + j)[None, :], mask=ok[:, None], other=0.0)
+        new = new + (accs[j] * alpha[None, :] + pair_sum(tl.dot(tl.trans(v.to(tl.float16)), bp)),)
+    return m_new, l_i, new

@@ -3,7 +3,8 @@
 Twin of :func:`kvarn.codec.encode_tiles`. One program per (tile, K or V): the whole tile ``X [R, C]``
 stays in registers through the T iterations of the dual-axis normalization (spec section 2; best
 iterate per tile, identity included, ties to the later iterate), then rows are rounded to nearest
-even (spec section 3), packed low bits first (spec section 4) and the fp16 fields are stored.
+even (spec section 3), packed low bits first (spec section 4; code matrices stored transposed, as :mod:`kvarn.codec`
+says) and the fp16 fields are stored.
 
 Differences from the torch twin, by design: the unbiased standard deviations are two-pass sums in a
 different reduction order and ``exp``/``log`` come from the GPU's math library, so a scale can differ
@@ -95,7 +96,8 @@ def _encode_one(
         shifts = tl.arange(0, P) * BITS
         packed = tl.sum(tl.reshape(q, [R, CB, P]) << shifts[None, None, :], axis=2)
     pcols = tl.arange(0, CB)
-    tl.store(codes_ptr + codes_off + rows[:, None] * CB + pcols[None, :], packed.to(tl.uint8))
+    # Stored transposed, [C / P, R] (the code byte order of kvarn.codec).
+    tl.store(codes_ptr + codes_off + pcols[None, :] * R + rows[:, None], packed.to(tl.uint8))
     tl.store(rs_ptr + rs_off + rows, (row_scale * step).to(tl.float16))
     tl.store(rz_ptr + rz_off + rows, (row_scale * lo).to(tl.float16))
     tl.store(cs_ptr + cs_off + cols, col_scale.to(tl.float16))

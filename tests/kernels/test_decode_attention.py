@@ -18,11 +18,12 @@ kernels = pytest.importorskip("kvarn.kernels", reason="triton is not importable"
 ATOL = 1e-4
 
 
-def check(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=None, **kw):
+def check(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=None, fp_splits=None, **kw):
+    """Kernel vs torch twin; ``num_splits``/``fp_splits`` are the kernel's (None: planned)."""
     ref = torch_decode(q.float(), sink_k, sink_v, tiles, tail_k, tail_v, cfg, **kw)
     ref16 = torch_decode(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, compute_dtype=torch.float16, **kw)
-    splits = num_splits
-    out = kernels.decode_attention(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=splits, **kw)
+    out = kernels.decode_attention(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=num_splits,
+                                   fp_splits=fp_splits, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
     e, e16 = rel_err(out, ref), rel_err(ref16, ref)
     assert e <= 2 * e16 + ATOL, f"kernel error {e:.2e} vs torch fp16 {e16:.2e}"
@@ -74,10 +75,29 @@ def test_decode_errors(kdevice):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("name", ["k2v2_g128", "k4v2_g128", "k4v4_g64"])
 @pytest.mark.parametrize("d,hq,hk", [(128, 32, 8), (64, 32, 8), (256, 16, 4)])
-@pytest.mark.parametrize("b,n_tiles,tq", [(2, 32, 1), (1, 100, 4), (8, 3, 1)])
-def test_decode_full(name, d, hq, hk, b, n_tiles, tq):
+@pytest.mark.parametrize("b,n_tiles,tq,tail", [(2, 32, 4, None), (1, 100, 1, 1), (8, 3, 1, 0), (2, 5, 8, 8)])
+def test_decode_full(name, d, hq, hk, b, n_tiles, tq, tail):
+    """Full size on the GPU; tail None = G - 1 tokens, 0 = no tail (Tq = 1)."""
     cfg = KVarNConfig.from_name(name)
-    sk, sv, tiles, tk, tv, _, _ = history(b, hk, n_tiles, d, cfg, "cuda", tail=cfg.tile - 1, seed=d + b)
+    tail = cfg.tile - 1 if tail is None else tail
+    sk, sv, tiles, tk, tv, _, _ = history(b, hk, n_tiles, d, cfg, "cuda", tail=tail, seed=d + b)
+    if tail == 0:
+        tk = tv = None
     q = torch.randn(b, hq, tq, d, device="cuda").half()
     check(q, sk, sv, tiles, tk, tv, cfg)
-    check(q, sk, sv, tiles, tk, tv, cfg, num_splits=1)
+    check(q, sk, sv, tiles, tk, tv, cfg, num_splits=1, fp_splits=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["k2v2_g128", "k4v2_g64"])
+def test_decode_full_model_frame_bf16(name):
+    """The transformers path: bf16 query, sink and tail in the model frame, ragged lengths."""
+    cfg = KVarNConfig.from_name(name)
+    sk, sv, tiles, tk, tv, _, _ = history(4, 8, 40, 128, cfg, "cuda", tail=cfg.tile - 1, seed=7)
+    to_model = lambda x: rotate_kv(x.float(), cfg).bfloat16()  # noqa: E731 (H is its own inverse)
+    q = torch.randn(4, 32, 1, 128, device="cuda").bfloat16()
+    lengths = dict(sink_lengths=torch.tensor([cfg.tile, 5, cfg.tile, cfg.tile], device="cuda"),
+                   tile_counts=torch.tensor([40, 0, 17, 39], device="cuda"),
+                   tail_lengths=torch.tensor([cfg.tile - 1, 1, 30, 2], device="cuda"))
+    check(q, to_model(sk), to_model(sv), tiles, to_model(tk), to_model(tv), cfg, fp_frame="model", **lengths)
