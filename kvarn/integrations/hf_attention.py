@@ -218,17 +218,21 @@ def fused_cache(model, preset="k4v2_g128", *, max_length: int | None = None, **o
     return cache
 
 
-def cache_for(model, method: str, preset: str | None, **overrides) -> KVarNCache:
-    """The cache to generate with: fused for ``kvarn`` on a CUDA model, :class:`KVarNCache` otherwise.
+def cache_for(model, method: str, preset: str | None, *, device: torch.device | None = None,
+              **overrides) -> KVarNCache:
+    """The cache to generate with: fused for ``kvarn`` on CUDA, :class:`KVarNCache` otherwise.
 
-    The fused cache needs the model's attention set to ``"kvarn"`` (:func:`use_fused`); other
-    methods are unaffected by that setting (it falls back to SDPA for them).
+    ``device``: where the model runs (default: its parameters' device). The fused cache needs the
+    model's attention set to ``"kvarn"`` (:func:`use_fused`); other methods are unaffected by that
+    setting (it falls back to SDPA for them). Off CUDA the reference read path keeps frozen tiles
+    dequantized once (``decoded_cache``), as the CLI always did.
     """
     preset = preset or "k4v2_g128"
-    device = next(model.parameters()).device
+    device = torch.device(device) if device is not None else next(model.parameters()).device
     if method == "kvarn" and device.type == "cuda":
         if model.config._attn_implementation != NAME:
-            raise ValueError("the fused kvarn cache needs model attention 'kvarn': call use_fused(model) first")
+            raise ValueError("the fused kvarn cache needs the model's attention set to 'kvarn': "
+                             "call use_fused(model) first")
         return fused_cache(model, preset, **overrides)
     return KVarNCache(model, method, preset, decoded_cache=True, **overrides)
 
