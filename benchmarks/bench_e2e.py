@@ -47,7 +47,7 @@ import time
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
 ap.add_argument("--shape", default="llama8b", choices=["llama8b", "tiny"])
-ap.add_argument("--contexts", nargs="+", type=int, default=[32768, 8192])
+ap.add_argument("--contexts", nargs="*", type=int, default=[32768, 8192], help="none: only the capacity runs")
 ap.add_argument("--batches", nargs="+", type=int, default=[16, 1])
 ap.add_argument("--caches", nargs="+", default=[
     "fp16_flash", "fp16_dynamic", "fp16_static_graph", "kvarn:k4v2_g128", "kvarn:k2v2_g128",
@@ -200,8 +200,9 @@ def fill(cache, cfg, b, t, chunk, device):
             v = torch.randn(b, hk, n, d, device=device, dtype=dtype, generator=g)
             cache.update(k, v, i)
             del k, v
-        if hasattr(cache, "freeze"):
-            cache.freeze()  # encode the complete tiles now (the next update would)
+            layer = cache.layers[i]
+            if hasattr(layer, "freeze"):
+                layer.freeze()  # encode this layer's complete tiles now: one chunk of fp16 tail at a time
 
 
 def spec_bytes(kind: str, cfg, b: int, t: int, full_tail: bool = False) -> int:
@@ -294,8 +295,9 @@ def print_tables(rows, cap_rows):
         return None
 
     anchors = ("fp16_static_graph", "fp16_static_compiled")
-    print("| context | B | cache | step ms | tokens/s | vs fp16_flash | vs fp16 captured | flush step | peak GiB | KV GiB stored (spec) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    if rows:
+        print("| context | B | cache | step ms | tokens/s | vs fp16_flash | vs fp16 captured | flush step | peak GiB | KV GiB stored (spec) |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "step_ms" not in r:
             print(f"| {r['context']} | {r['batch']} | {r['cache']} | {r['error'][:60]} | | | | | | |")
@@ -328,23 +330,26 @@ def main(a):
     hf_attention.register()
     model = build_model(a.shape, a.device)
     rows, cap_rows = [], []
+    meta = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu", "torch": torch.__version__,
+            "transformers": transformers.__version__, "shape": a.shape, "args": vars(a)}
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+
+    def record(row, into):
+        into.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "gaps_ms"}), flush=True)
+        with open(a.out, "w") as fh:  # after every row: a run cut short keeps what it measured
+            json.dump({**meta, "rows": rows, "capacity": cap_rows}, fh, indent=1)
+
     for t in a.contexts:
         for b in a.batches:
             for kind in a.caches:
-                rows.append(safe_run(model, kind, b, t, a.new, a.fill_chunk, a.device))
-                print(json.dumps({k: v for k, v in rows[-1].items() if k != "gaps_ms"}), flush=True)
+                record(safe_run(model, kind, b, t, a.new, a.fill_chunk, a.device), rows)
     if a.capacity_gib:
         for kind in a.capacity_caches:
             b = capacity_batch(kind, model.config, a.capacity_context, a.capacity_gib, a.capacity_max_batch)
             row = safe_run(model, kind, b, a.capacity_context, a.new, a.fill_chunk, a.device)
             row["budget_gib"] = a.capacity_gib
-            cap_rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "gaps_ms"}), flush=True)
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump({"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
-                   "torch": torch.__version__, "transformers": transformers.__version__, "shape": a.shape,
-                   "args": vars(a), "rows": rows, "capacity": cap_rows}, fh, indent=1)
+            record(row, cap_rows)
     print_tables(rows, cap_rows)
 
 

@@ -13,8 +13,13 @@ made); the prefill, and layers the cache keeps in full precision, go through tra
 How the attention function finds the packed storage: a fused layer's ``update`` returns, for decode
 steps, two empty marker tensors that carry the layer (transformers passes ``update``'s return values
 to the attention function as ``key``/``value``; it does not pass the cache). Complete tiles are
-encoded with the Triton encoder (:func:`kvarn.kernels.encode_tiles`) into the cache's preallocated
-tile store. Only the ``kvarn`` method is fused; other methods keep the cache's ordinary read path.
+encoded with the Triton encoder (:func:`kvarn.kernels.encode_tiles`) into the cache's tile store.
+Only the ``kvarn`` method is fused; other methods keep the cache's ordinary read path.
+
+A decode step of rows in lockstep reads no value back to the host and copies none to the device
+(lengths live on the device, see :class:`FusedKVarNLayer`), so it can be captured in a CUDA graph:
+:func:`kvarn.integrations.hf_graph.decode_greedy` does that, with ``fused_cache(...,
+max_length=...)``. :func:`cache_for` picks the cache the CLI generates with.
 """
 
 from __future__ import annotations
@@ -182,9 +187,17 @@ class FusedKVarNLayer(KVarNLayer):
     def _append_device(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write ``[B, Hk, q, D]`` at each row's tail length as the device holds it."""
         q = k.shape[-2]
-        cols = self._dev_len[2].long()[:, None] + torch.arange(q, device=self.device)  # [B, q]
-        self.tail_k.transpose(1, 2)[self._rows, cols] = k.to(self.dtype).transpose(1, 2)
-        self.tail_v.transpose(1, 2)[self._rows, cols] = v.to(self.dtype).transpose(1, 2)
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        if self._lockstep:  # one position for every row: a plain indexed copy along the tokens
+            pos = self._dev_len[2, :1].long()
+            if q > 1:
+                pos = pos + torch.arange(q, device=self.device)
+            self.tail_k.index_copy_(2, pos, k)
+            self.tail_v.index_copy_(2, pos, v)
+        else:
+            cols = self._dev_len[2].long()[:, None] + torch.arange(q, device=self.device)  # [B, q]
+            self.tail_k.transpose(1, 2)[self._rows, cols] = k.transpose(1, 2)
+            self.tail_v.transpose(1, 2)[self._rows, cols] = v.transpose(1, 2)
         self._dev_len[2].add_(q)
 
     def fused_inputs(self) -> dict:
