@@ -155,8 +155,10 @@ class FusedKVarNLayer(KVarNLayer):
         if steady:
             self._flush_device()
         else:
+            moved = sum(self.sink_len) + sum(self.store.counts)
             KVarNLayer.freeze(self)  # host plan: rows at different lengths, or the sink still filling
-            self._sync_lengths()
+            if sum(self.sink_len) + sum(self.store.counts) != moved:  # a freeze only ever moves tail tokens
+                self._sync_lengths()
         self._ensure_tail(max(self.tail_len) + q)
         self._append_device(key_states, value_states)
         if steady:

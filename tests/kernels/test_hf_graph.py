@@ -25,6 +25,7 @@ def _tiny_llama(device, dtype):
     cfg = transformers.LlamaConfig(
         vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+        eos_token_id=None,  # decode_greedy never stops early; generate must not either
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
@@ -45,7 +46,7 @@ def _fused(model, **kw):
 def test_decode_loop_matches_generate_and_reference(fused_model, kdevice):
     model = fused_model
     ids = torch.randint(0, 97, (2, PROMPT), device=kdevice)
-    kw = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    kw = dict(max_new_tokens=NEW, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
     model.set_attn_implementation("sdpa")
     ref = model.generate(ids, past_key_values=KVarNCache(model, "kvarn", **PRESET), **kw)[:, PROMPT:]
     hf_attention.use_fused(model)

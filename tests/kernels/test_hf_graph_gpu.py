@@ -22,6 +22,7 @@ def model():
     cfg = transformers.LlamaConfig(
         vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=1, head_dim=128, max_position_embeddings=4096,
+        eos_token_id=None,  # decode_greedy never stops early; generate must not either
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.float16).eval()
@@ -40,7 +41,7 @@ def test_captured_kvarn_decode_matches_eager(model, preset):
             out[mode] = hf_graph.decode_greedy(model, cache, ids, NEW, capture=mode)
             assert cache.layers[0].store.counts == [(PROMPT + NEW - 1 - 128) // 128] * 3
         ref = model.generate(ids, past_key_values=hf_attention.fused_cache(model, preset), max_new_tokens=NEW,
-                             min_new_tokens=NEW, do_sample=False, attention_mask=torch.ones_like(ids),
+                             do_sample=False, attention_mask=torch.ones_like(ids),
                              pad_token_id=0)[:, PROMPT:]
     finally:
         model.set_attn_implementation("sdpa")
