@@ -18,7 +18,7 @@ from kvarn.integrations import hf_attention, hf_graph  # noqa: E402
 from kernel_data import HAS_CUDA  # noqa: E402
 
 PRESET = dict(preset="k4v2_g64", sinkhorn_iters=2)  # S = G = 64
-PROMPT, NEW = 120, 12  # first decode step: sink 64, tail 57; the 9th step freezes a tile
+PROMPT, NEW = 124, 7  # first decode step: sink 64, tail 61; the 5th step freezes a tile
 
 
 def _tiny_llama(device, dtype):
@@ -46,11 +46,12 @@ def _fused(model, **kw):
 def test_decode_loop_matches_generate_and_reference(fused_model, kdevice):
     model = fused_model
     ids = torch.randint(0, 97, (2, PROMPT), device=kdevice)
-    kw = dict(max_new_tokens=NEW, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    kw = dict(max_new_tokens=NEW, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0,
+              output_logits=True, return_dict_in_generate=True)
     model.set_attn_implementation("sdpa")
-    ref = model.generate(ids, past_key_values=KVarNCache(model, "kvarn", **PRESET), **kw)[:, PROMPT:]
+    ref = model.generate(ids, past_key_values=KVarNCache(model, "kvarn", **PRESET), **kw)
     hf_attention.use_fused(model)
-    fused = model.generate(ids, past_key_values=_fused(model), **kw)[:, PROMPT:]
+    fused = model.generate(ids, past_key_values=_fused(model), **kw)
     runs = {}
     for mode in ("none", "simulate"):
         cache = _fused(model, max_length=PROMPT + NEW)
@@ -59,9 +60,15 @@ def test_decode_loop_matches_generate_and_reference(fused_model, kdevice):
         assert layer.store.counts == [1, 1]  # frozen during decoding, by the captured flush step
         assert layer.tail_len == [PROMPT + NEW - 1 - 2 * 64] * 2
         assert layer._dev_len.tolist() == [[64, 64], [1, 1], layer.tail_len]
-    assert torch.equal(fused, ref)
-    assert torch.equal(runs["none"], ref)
-    assert torch.equal(runs["simulate"], ref)
+    # The loop runs the same kernels as generate over the same state: identical tokens.
+    assert torch.equal(runs["none"], fused.sequences[:, PROMPT:])
+    assert torch.equal(runs["simulate"], fused.sequences[:, PROMPT:])
+    # Against the cache's read path: the same tokens (fp16 on a GPU may split a near tie late, so
+    # at least the first three) and close logits up to any divergence.
+    same = (fused.sequences[:, PROMPT:] == ref.sequences[:, PROMPT:]).all(0).long().cumprod(0).sum()
+    assert same >= (NEW if not HAS_CUDA else 3)
+    for a, b in list(zip(fused.logits, ref.logits))[: int(same)]:
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
 
 
 def test_simulated_replay_catches_a_host_position(fused_model, kdevice, monkeypatch):
@@ -114,7 +121,7 @@ def test_steady_steps_read_nothing_back(fused_model, kdevice, monkeypatch):
     monkeypatch.setattr(kernels, "encode_tiles", lambda k, v, c, out=None, **kw: codec.encode_tiles(k, v, c))
     model = fused_model
     ids = torch.randint(0, 97, (2, PROMPT), device=kdevice)
-    cache = _fused(model, max_length=PROMPT + NEW)
+    cache = _fused(model, max_length=PROMPT + 16)
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         tok = ids[:, -1:]
@@ -123,7 +130,7 @@ def test_steady_steps_read_nothing_back(fused_model, kdevice, monkeypatch):
         layer = cache.layers[0]
         assert layer.steady
         kinds = []
-        while len(kinds) < 9:
+        while len(kinds) < 6:
             pos += 1
             kinds.append("flush" if layer.tiles_due() else "plain")
             with _count_host_reads(monkeypatch) as calls:
