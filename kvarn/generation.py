@@ -38,16 +38,23 @@ def encode_prompt(tokenizer, prompt: str, chat: bool = True) -> dict:
 @torch.no_grad()
 def run(model, tokenizer, prompt: str, method: str = "kvarn", preset: str = "k2v2_g128",
         max_new_tokens: int = 256, *, chat: bool = True, do_sample: bool = False,
-        overrides: dict | None = None, decoded_cache: bool = True, **generate_kwargs) -> dict:
+        overrides: dict | None = None, decoded_cache: bool = True, cache_factory=None,
+        **generate_kwargs) -> dict:
     """Generate with one method. Returns ``{"method", "preset", "config", "text", "token_ids",
     "prompt_tokens", "new_tokens", "seconds", "tokens_per_second", "memory"}``.
 
     ``decoded_cache`` keeps frozen tiles dequantized once (see :class:`kvarn.KVarNCache`): same
     tokens, much faster on CPU; the memory report counts it apart as ``decoded_cache_bytes``.
+    ``cache_factory(model, method, preset, **overrides)``: builds the cache instead (for example
+    :func:`kvarn.integrations.hf_attention.cache_for`, the fused cache on a GPU); ``decoded_cache``
+    is then the factory's business.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    cache = KVarNCache(model, method, preset, decoded_cache=decoded_cache, **(overrides or {}))
+    if cache_factory is not None:
+        cache = cache_factory(model, method, preset, **(overrides or {}))
+    else:
+        cache = KVarNCache(model, method, preset, decoded_cache=decoded_cache, **(overrides or {}))
     inputs = encode_prompt(tokenizer, prompt, chat)
     device = next(model.parameters()).device
     inputs = {k: v.to(device) for k, v in inputs.items()}
@@ -86,7 +93,7 @@ def agreement(reference: list[int], tokens: list[int]) -> dict:
 
 def compare(model, tokenizer, prompt: str, methods=("fp16", "kivi", "kvarn"), preset: str = "k2v2_g128",
             max_new_tokens: int = 256, *, reference: str = "fp16", chat: bool = True,
-            overrides: dict | None = None) -> dict:
+            overrides: dict | None = None, cache_factory=None) -> dict:
     """Run every method (and the reference, once) on ``prompt``; score each against the reference.
 
     Returns ``{"prompt", "preset", "reference", "max_new_tokens", "runs": [run + agreement +
@@ -94,8 +101,8 @@ def compare(model, tokenizer, prompt: str, methods=("fp16", "kivi", "kvarn"), pr
     stored bytes over the reference's.
     """
     order = list(dict.fromkeys([reference, *methods]))
-    runs = {m: run(model, tokenizer, prompt, m, preset, max_new_tokens, chat=chat, overrides=overrides)
-            for m in order}
+    runs = {m: run(model, tokenizer, prompt, m, preset, max_new_tokens, chat=chat, overrides=overrides,
+                   cache_factory=cache_factory) for m in order}
     ref = runs[reference]
     ref_bytes = ref["memory"]["total"]["total_bytes"]
     out = []

@@ -50,3 +50,16 @@ def test_cli_rejects_unknown_method():
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--method", "int3", "hi"])
+
+
+def test_cli_generate_refuses_a_missing_device_before_loading():
+    import torch
+
+    from kvarn.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present, so --device cuda is valid here")
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        main(["generate", "--device", "cuda", "hi"])
+    with pytest.raises(SystemExit, match="not a torch device"):
+        main(["generate", "--device", "gpu0", "hi"])

@@ -55,6 +55,17 @@ def _one_tile(enc: EncodedKV) -> EncodedKV:
                      **{name: first(getattr(enc, name)) for name in _FLOAT_FIELDS})
 
 
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints -> long tensor on ``device`` without waiting for the device.
+
+    A plain ``torch.tensor(values, device="cuda")`` copies from pageable memory and blocks until the
+    GPU has finished all queued work; a pinned, non-blocking copy is ordered on the stream instead.
+    """
+    device = torch.device(device)
+    host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def _join(fields: dict[str, torch.Tensor], enc_template: EncodedKV, shape: tuple[int, ...]) -> EncodedKV:
     """Fields ``[B, Hk, n, *per_tile]`` -> EncodedKV of ``[B, Hk, n*G, D]`` (for TileCodec.decode)."""
     b, h, t, _ = shape
@@ -138,21 +149,15 @@ class TileStore:
         """
         enc = self.codec.encode(keys, values)
         new = {name: x[:, :, 0] for name, x in _split(enc, self.codec.config.tile).items()}
-        if self.fields is None:
-            # The template only tells _join the format: keep a one-tile copy, not a reference to
-            # this first batch (a whole prefill's tiles would otherwise stay allocated twice).
-            self._template = _one_tile(enc)
-            self.fields = {
-                name: x.new_zeros(self.batch, self.heads, 0, *x.shape[2:]) for name, x in new.items()
-            }
+        self._first_write(enc, new)
         slots = []
         for b in rows:
             slots.append(self.counts[b])
             self.counts[b] += 1
         if max(self.counts) > self.capacity:
             self._grow(max(self.counts))
-        r = torch.tensor(rows, device=self.device)
-        s = torch.tensor(slots, device=self.device)
+        r = device_index(rows, self.device)
+        s = device_index(slots, self.device)
         for name, x in new.items():
             self.fields[name][r, :, s] = x
         if self.decoded_cache:
@@ -161,6 +166,53 @@ class TileStore:
             for m, (b, slot) in enumerate(zip(rows, slots)):
                 self._dec[0][b, :, slot * g:(slot + 1) * g] = dk[m]
                 self._dec[1][b, :, slot * g:(slot + 1) * g] = dv[m]
+
+    def _first_write(self, enc: EncodedKV, per_tile: dict[str, torch.Tensor]) -> None:
+        if self._template is None:
+            # The template only tells _join the format: keep a one-tile copy, not a reference to
+            # this first batch (a whole prefill's tiles would otherwise stay allocated twice).
+            self._template = _one_tile(enc)
+        if self.fields is None:
+            self.fields = {
+                name: x.new_zeros(self.batch, self.heads, 0, *x.shape[2:]) for name, x in per_tile.items()
+            }
+
+    def reserve(self, layout: list[tuple[str, tuple[int, ...], torch.dtype]], capacity: int) -> None:
+        """Allocate every field for ``capacity`` slots per row before the first tile is written.
+
+        layout: ``(field, per-tile shape, dtype)`` as :func:`kvarn.codec.record_layout` gives them.
+        The fields then never move while the count stays within ``capacity`` (a captured CUDA
+        graph keeps their addresses).
+        """
+        if self.fields is not None:
+            raise ValueError("reserve must be called before the first tile is stored")
+        self.fields = {name: torch.zeros(self.batch, self.heads, capacity, *shape, dtype=dtype, device=self.device)
+                       for name, shape, dtype in layout}
+        self.capacity = capacity
+
+    def encode_into(self, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor) -> int:
+        """Encode ``n`` complete tiles of every row into slots ``start .. start + n - 1``; returns n.
+
+        keys, values: ``[B, Hk, n*G, D]`` in the model frame and dtype. ``start``: long ``[1]`` on the
+        device, the slot of every row (rows hold the same number of tiles). The position is read on
+        the device, so a CUDA graph that captured this call writes each replay's tile at the next
+        slot. ``counts`` is left to the caller, which advances it by n (it keeps the host's view).
+        """
+        if self.decoded_cache:
+            raise ValueError("encode_into does not maintain decoded_cache")
+        if len(set(self.counts)) != 1:
+            raise ValueError(f"encode_into needs every row at the same tile count, got {self.counts}")
+        g = self.codec.config.tile
+        n = keys.shape[2] // g
+        enc = self.codec.encode(keys, values)
+        new = _split(enc, g)  # [B, Hk, n, *per_tile]
+        self._first_write(enc, {name: x[:, :, 0] for name, x in new.items()})
+        if self.counts[0] + n > self.capacity:
+            self._grow(self.counts[0] + n)
+        idx = start + torch.arange(n, device=self.device)
+        for name, x in new.items():
+            self.fields[name].index_copy_(2, idx, x)
+        return n
 
     # reading ------------------------------------------------------------------------------------
     def decode(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

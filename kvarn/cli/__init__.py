@@ -15,6 +15,19 @@ import sys
 SUBCOMMANDS = ("demo", "generate", "drift", "eval")
 
 
+def torch_device(name: str):
+    """``--device NAME`` as a torch device that exists here; SystemExit naming the problem otherwise."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise SystemExit(f"--device {name!r} is not a torch device: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name!r}: torch sees no CUDA device here")
+    return device
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvarn", description="KVarN KV-cache quantization tools")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

@@ -3,9 +3,11 @@
 Runs every (task, method, preset) combination, one JSONL file each, then writes ``summary.json``
 and ``summary.md`` for everything in DIR. Rerunning resumes. ``fp16`` ignores the preset.
 
-``--device cuda`` generates on a GPU. ``--regrade`` generates nothing: it grades the stored outputs
-of DIR again (for example HumanEval programs generated on a machine whose sandbox could not run)
-and rewrites the JSONL files and the summary.
+``--device cuda`` generates on a GPU; there the ``kvarn`` method decodes through the fused attention
+(:mod:`kvarn.integrations.hf_attention`), the other methods through the cache's own read path.
+``--regrade`` generates nothing: it grades the stored outputs of DIR again (for example HumanEval
+programs generated on a machine whose sandbox could not run) and rewrites the JSONL files and the
+summary.
 """
 
 from __future__ import annotations
@@ -79,24 +81,27 @@ def _main(args) -> int:
                 log.info("regraded %s: %d grade(s) changed", path, changed)
         write_summary(args.out)
         return 0
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        raise SystemExit(f"--device {args.device!r} is not a torch device: {e}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device!r}: torch sees no CUDA device here")
+    from kvarn.cli import torch_device
+
+    device = torch_device(args.device)
     cfg = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                          max_new_tokens=args.max_new_tokens, samples=args.samples,
                          seeds=tuple(args.seed), batch_size=args.batch_size, fewshot=args.fewshot)
     model, tokenizer = models.load(args.model, dtype=getattr(torch, args.dtype), padding_side="left")
     model.to(device)
+    cache_factory = None
+    if device.type == "cuda":
+        from kvarn.integrations import hf_attention
+
+        hf_attention.use_fused(model)
+        cache_factory = hf_attention.cache_for
     model_name = args.model.rstrip("/").split("/")[-1]
     for task in args.task:
         records, pool = _task_records(task, args)
         for method, preset in expand_runs(args.method, args.preset):
             spec = RunSpec(task, model_name, method, preset, records, fewshot_pool=pool)
             path = run_eval(spec, model, tokenizer, cfg, args.out, progress=not args.no_progress,
-                            exec_timeout_s=args.exec_timeout)
+                            exec_timeout_s=args.exec_timeout, cache_factory=cache_factory)
             log.info("wrote %s", path)
     jpath, mpath = write_summary(args.out)
     log.info("summary: %s, %s", jpath, mpath)

@@ -3,6 +3,10 @@
 Generates (greedy) with a KVarN cache and prints the text, tokens/s and the cache's memory report.
 ``--compare REF`` also runs REF on the same prompt and reports token agreement and the first
 divergence. ``--json`` prints everything as one JSON object instead.
+
+``--device cuda`` generates on a GPU; there the ``kvarn`` method decodes through the fused
+attention (:mod:`kvarn.integrations.hf_attention`: packed tiles read by the Triton kernel), the
+other methods through the cache's own read path.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--quantize-sliding-window", action="store_true", help="also quantize sliding-window layers")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1, ... (kvarn fused on CUDA)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_main)
 
@@ -55,9 +60,17 @@ def _main(args) -> int:
     import torch
 
     from kvarn import generation, models
+    from kvarn.cli import torch_device
 
+    device = torch_device(args.device)
     model, tokenizer = models.load(args.model, dtype=getattr(torch, args.dtype))
     kw = dict(chat=not args.no_chat, overrides=_overrides(args))
+    if device.type == "cuda":
+        from kvarn.integrations import hf_attention
+
+        model.to(device)
+        hf_attention.use_fused(model)
+        kw["cache_factory"] = hf_attention.cache_for
     if args.compare:
         result = generation.compare(model, tokenizer, args.prompt, methods=[args.method], preset=args.preset,
                                     max_new_tokens=args.max_new_tokens, reference=args.compare, **kw)

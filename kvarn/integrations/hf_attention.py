@@ -13,8 +13,13 @@ made); the prefill, and layers the cache keeps in full precision, go through tra
 How the attention function finds the packed storage: a fused layer's ``update`` returns, for decode
 steps, two empty marker tensors that carry the layer (transformers passes ``update``'s return values
 to the attention function as ``key``/``value``; it does not pass the cache). Complete tiles are
-encoded with the Triton encoder (:func:`kvarn.kernels.encode_tiles`) into the cache's preallocated
-tile store. Only the ``kvarn`` method is fused; other methods keep the cache's ordinary read path.
+encoded with the Triton encoder (:func:`kvarn.kernels.encode_tiles`) into the cache's tile store.
+Only the ``kvarn`` method is fused; other methods keep the cache's ordinary read path.
+
+A decode step of rows in lockstep reads no value back to the host and copies none to the device
+(lengths live on the device, see :class:`FusedKVarNLayer`), so it can be captured in a CUDA graph:
+:func:`kvarn.integrations.hf_graph.decode_greedy` does that, with ``fused_cache(...,
+max_length=...)``. :func:`cache_for` picks the cache the CLI generates with.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVarNCache, KVarNLayer
-from ..codec import TileFields, rotate_kv
+from ..codec import TileFields, record_layout, rotate_kv
 from ..methods import EncodedKV, TileCodec
 
 NAME = "kvarn"
@@ -46,71 +51,211 @@ class TritonTileCodec(TileCodec):
         return EncodedKV(self.method, tuple(keys.shape), nbytes, tiles=tiles)
 
 
-class _Lengths:
-    """Device copies of a layer's per-row lengths.
+class FusedKVarNLayer(KVarNLayer):
+    """A KVarNLayer whose decode-step ``update`` returns markers instead of the dequantized history.
 
-    A decode step only lengthens every tail by the same count: that is an in-place add on the
-    device. Anything else (a freeze, a crop, a reorder) rebuilds them from the host lists; a host to
-    device copy waits for the GPU, so it must not happen at every step.
+    Lengths. The host keeps the per-row lengths (lists, as in :class:`KVarNLayer`: they follow from
+    the update sizes alone, so the host never reads them back), and the device keeps a copy,
+    ``int32 [3, B]`` (sink lengths, tile counts, tail lengths), that the kernels read. A decode step
+    of rows in lockstep (same sink, tile and tail lengths, sink full: any batch without left
+    padding, after its first decode step) touches only the device copy with device ops: the new
+    K/V is written at the tail position read on the device, a completed tile is encoded into the
+    slot read on the device, and the lengths are advanced in place. Nothing is read back and no
+    host value is copied to the device, so such a step can be captured in a CUDA graph and
+    replayed at later positions (see :mod:`kvarn.integrations.hf_graph`). Other steps (the first
+    decode step, which freezes the prompt's tiles; rows at different lengths) run the host plan of
+    :meth:`KVarNLayer.freeze` and refresh the device copy with a non-blocking pinned copy.
+
+    ``max_length``: reserve tile storage for that many tokens per row (pads included) up front, so
+    that no buffer moves during decoding (needed for graph capture); None grows on demand.
     """
 
-    def __init__(self):
-        self.key, self.tensors = None, None
-
-    def get(self, layer: KVarNLayer):
-        key = (tuple(layer.sink_len), tuple(layer.store.counts), tuple(layer.tail_len))
-        old = self.key
-        if old is not None and key[:2] == old[:2] and len(key[2]) == len(old[2]):
-            grown = {a - b for a, b in zip(key[2], old[2])}
-            if len(grown) == 1:
-                step = grown.pop()
-                if step:
-                    self.tensors[2].add_(step)
-                self.key = key
-                return self.tensors
-        self.key = key
-        self.tensors = tuple(torch.tensor(x, dtype=torch.int32, device=layer.device) for x in key)
-        return self.tensors
-
-
-class FusedKVarNLayer(KVarNLayer):
-    """A KVarNLayer whose decode-step ``update`` returns markers instead of the dequantized history."""
-
-    def __init__(self, codec: TileCodec, padding=None, is_sliding: bool = False):
+    def __init__(self, codec: TileCodec, padding=None, is_sliding: bool = False, max_length: int | None = None):
         super().__init__(codec, padding, is_sliding)
-        self._lengths = _Lengths()
+        if max_length is not None and max_length < 1:
+            raise ValueError(f"max_length must be a positive token count or None, got {max_length}")
+        self.max_length = max_length
+        self._dev_len = None
+        self._lockstep = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._dev_len = torch.zeros(3, self.batch, dtype=torch.int32, device=self.device)
+        self._rows = torch.arange(self.batch, device=self.device)[:, None]
+        if self.max_length is not None:
+            g, s = self.tile, self.sink_tokens
+            cap = max(1, -(-max(0, self.max_length - s) // g))
+            self.store.reserve(record_layout(self.codec.config, self.head_dim), cap)
+
+    def reset(self) -> None:
+        super().reset()
+        self._dev_len, self._lockstep = None, False
+
+    # host plan -> device copy -------------------------------------------------------------------
+    def _sync_lengths(self) -> None:
+        """Copy the host lengths to the device copy (ordered on the stream; no wait) and re-check lockstep."""
+        rows = [self.sink_len, self.store.counts, self.tail_len]
+        host = torch.tensor(rows, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        self._dev_len.copy_(host, non_blocking=True)
+        self._lockstep = all(len(set(x)) == 1 for x in rows) and self.sink_len[0] == self.sink_tokens
+
+    def freeze(self) -> None:
+        super().freeze()
+        self._sync_lengths()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.is_initialized:
+            self._sync_lengths()
+
+    def _select(self, index: torch.Tensor) -> None:
+        super()._select(index)
+        self._dev_len = torch.zeros(3, self.batch, dtype=torch.int32, device=self.device)
+        self._rows = torch.arange(self.batch, device=self.device)[:, None]
+        self._sync_lengths()
+
+    # decode step ----------------------------------------------------------------------------------
+    @property
+    def steady(self) -> bool:
+        """True when the next decode step runs on device state alone (rows in lockstep, sink full)."""
+        return self.is_initialized and self.length > 0 and self._lockstep
+
+    def tiles_due(self) -> int:
+        """Tiles the next update of a steady layer encodes (complete tiles in the tail)."""
+        return self.tail_len[0] // self.tile if self.steady else 0
+
+    def advance(self, q: int = 1) -> None:
+        """The host side of one steady step of ``q`` tokens (the device side is in the step itself).
+
+        A replayed CUDA graph runs the device side only; its caller advances the host with this.
+        """
+        n = self.tiles_due()
+        if n:
+            self.store.counts = [c + n for c in self.store.counts]
+        self.tail_len = [t - n * self.tile + q for t in self.tail_len]
+        self.length += q
+
+    def host_state(self) -> tuple:
+        return self.length, list(self.sink_len), list(self.store.counts), list(self.tail_len)
+
+    def set_host_state(self, state: tuple) -> None:
+        self.length, sink, counts, tail = state
+        self.sink_len, self.store.counts, self.tail_len = list(sink), list(counts), list(tail)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized or self.length == 0:
-            return super().update(key_states, value_states, *args, **kwargs)  # prefill: exact K/V
-        self.freeze()
-        self._append(key_states, value_states, [0] * self.batch)
-        self.length += key_states.shape[-2]
+            out = super().update(key_states, value_states, *args, **kwargs)  # prefill: exact K/V
+            self._sync_lengths()
+            return out
+        q = key_states.shape[-2]
+        if self.max_length is not None and self.length + q > self.max_length:
+            raise ValueError(f"the cache holds at most max_length={self.max_length} tokens per row; "
+                             f"{self.length} + {q} would exceed it")
+        steady = self.steady
+        if steady:
+            self._flush_device()
+        else:
+            moved = sum(self.sink_len) + sum(self.store.counts)
+            KVarNLayer.freeze(self)  # host plan: rows at different lengths, or the sink still filling
+            if sum(self.sink_len) + sum(self.store.counts) != moved:  # a freeze only ever moves tail tokens
+                self._sync_lengths()
+        self._ensure_tail(max(self.tail_len) + q)
+        self._append_device(key_states, value_states)
+        if steady:
+            self.advance(q)
+        else:
+            self.tail_len = [t + q for t in self.tail_len]
+            self.length += q
         marker = key_states.new_empty(0)
         marker.kvarn_layer = self
         return marker, marker
 
+    def _flush_device(self) -> None:
+        """Encode the complete tiles at the start of the tail (same count in every row) into the
+        next slots; device lengths advanced in place. Host lists are advanced by :meth:`advance`."""
+        n = self.tiles_due()
+        if not n:
+            return
+        g = self.tile
+        t = self.tail_len[0]
+        self.store.encode_into(self.tail_k[:, :, : n * g], self.tail_v[:, :, : n * g], self._dev_len[1, :1].long())
+        r = t - n * g
+        if r:  # only after a multi-token update; a decode step of one token leaves nothing behind
+            self.tail_k[:, :, :r] = self.tail_k[:, :, n * g:t].clone()
+            self.tail_v[:, :, :r] = self.tail_v[:, :, n * g:t].clone()
+        self._dev_len[1].add_(n)
+        self._dev_len[2].sub_(n * g)
+
+    def _append_device(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``[B, Hk, q, D]`` at each row's tail length as the device holds it."""
+        q = k.shape[-2]
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        if self._lockstep:  # one position for every row: a plain indexed copy along the tokens
+            pos = self._dev_len[2, :1].long()
+            if q > 1:
+                pos = pos + torch.arange(q, device=self.device)
+            self.tail_k.index_copy_(2, pos, k)
+            self.tail_v.index_copy_(2, pos, v)
+        else:
+            cols = self._dev_len[2].long()[:, None] + torch.arange(q, device=self.device)  # [B, q]
+            self.tail_k.transpose(1, 2)[self._rows, cols] = k.transpose(1, 2)
+            self.tail_v.transpose(1, 2)[self._rows, cols] = v.transpose(1, 2)
+        self._dev_len[2].add_(q)
+
     def fused_inputs(self) -> dict:
-        """Arguments of :func:`kvarn.kernels.decode_attention` for the current state."""
-        s_len, n_len, r_len = self._lengths.get(self)
-        fields = self.store.view()
+        """Arguments of :func:`kvarn.kernels.decode_attention` for the current state.
+
+        With ``max_length`` the whole reserved buffers are passed (fixed shapes and addresses, as a
+        captured graph needs; the lengths mark what is valid), else the used prefix.
+        """
+        fields = self.store.fields if self.max_length is not None else self.store.view()
         tiles = TileFields(**fields) if fields else None
+        r = self.tail_k.shape[2] if self.max_length is not None else max(self.tail_len)
         return dict(
             sink_k=self.sink_k, sink_v=self.sink_v, tiles=tiles,
-            tail_k=self.tail_k[:, :, : max(self.tail_len)], tail_v=self.tail_v[:, :, : max(self.tail_len)],
-            config=self.codec.config, sink_lengths=s_len, tile_counts=n_len, tail_lengths=r_len,
-            fp_frame="model",
+            tail_k=self.tail_k[:, :, :r], tail_v=self.tail_v[:, :, :r],
+            config=self.codec.config, sink_lengths=self._dev_len[0], tile_counts=self._dev_len[1],
+            tail_lengths=self._dev_len[2], fp_frame="model",
         )
 
 
-def fused_cache(model, preset="k4v2_g128", **overrides) -> KVarNCache:
-    """A :class:`KVarNCache` (method ``kvarn``) whose quantized layers decode through the kernels."""
+def fused_cache(model, preset="k4v2_g128", *, max_length: int | None = None, **overrides) -> KVarNCache:
+    """A :class:`KVarNCache` (method ``kvarn``) whose quantized layers decode through the kernels.
+
+    ``max_length``: tokens per row to reserve tile storage for (see :class:`FusedKVarNLayer`);
+    required for :func:`kvarn.integrations.hf_graph.decode_greedy` with CUDA graphs.
+    """
     cache = KVarNCache(model, "kvarn", preset, **overrides)
     codec = TritonTileCodec(cache.method, cache.config)
     for i, layer in enumerate(cache.layers):
         if type(layer) is KVarNLayer:
-            cache.layers[i] = FusedKVarNLayer(codec, layer._padding, layer.is_sliding)
+            cache.layers[i] = FusedKVarNLayer(codec, layer._padding, layer.is_sliding, max_length=max_length)
     return cache
+
+
+def cache_for(model, method: str, preset: str | None, *, device: torch.device | None = None,
+              **overrides) -> KVarNCache:
+    """The cache to generate with: fused for ``kvarn`` on CUDA, :class:`KVarNCache` otherwise.
+
+    ``device``: where the model runs (default: its parameters' device). The fused cache needs the
+    model's attention set to ``"kvarn"`` (:func:`use_fused`); other methods are unaffected by that
+    setting (it falls back to SDPA for them). Off CUDA the reference read path keeps frozen tiles
+    dequantized once (``decoded_cache``), as the CLI always did.
+    """
+    preset = preset or "k4v2_g128"
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    if method == "kvarn" and device.type == "cuda":
+        if model.config._attn_implementation != NAME:
+            raise ValueError("the fused kvarn cache needs the model's attention set to 'kvarn': "
+                             "call use_fused(model) first")
+        return fused_cache(model, preset, **overrides)
+    return KVarNCache(model, method, preset, decoded_cache=True, **overrides)
+
+
+def use_fused(model) -> None:
+    """Register the fused attention and switch ``model`` to it (SDPA for everything but fused layers)."""
+    register()
+    model.set_attn_implementation(NAME)
 
 
 def kvarn_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, **kwargs):
@@ -139,4 +284,4 @@ def register(name: str = NAME) -> None:
     AttentionMaskInterface.register(name, sdpa_mask)
 
 
-__all__ = ["register", "fused_cache", "kvarn_attention", "FusedKVarNLayer", "TritonTileCodec"]
+__all__ = ["register", "use_fused", "fused_cache", "cache_for", "kvarn_attention", "FusedKVarNLayer", "TritonTileCodec"]

@@ -36,3 +36,19 @@ def test_fused_generate_matches_cache_read_path(kdevice):
     for a, b in zip(out.logits, ref.logits):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
     assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_cache_for_fuses_kvarn_on_cuda_only():
+    model = _tiny_llama("cpu", torch.float32)
+    plain = hf_attention.cache_for(model, "kvarn", "k4v2_g64")
+    assert type(plain) is KVarNCache and not any(isinstance(x, hf_attention.FusedKVarNLayer) for x in plain.layers)
+    with pytest.raises(ValueError, match="use_fused"):
+        hf_attention.cache_for(model, "kvarn", "k4v2_g64", device="cuda")
+    hf_attention.use_fused(model)
+    try:
+        fused = hf_attention.cache_for(model, "kvarn", "k4v2_g64", device="cuda")  # built, not run
+        other = hf_attention.cache_for(model, "kivi", "k4v2_g64", device="cuda")
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert all(isinstance(x, hf_attention.FusedKVarNLayer) for x in fused.layers)
+    assert other.method.name == "kivi" and not any(isinstance(x, hf_attention.FusedKVarNLayer) for x in other.layers)

@@ -1,0 +1,173 @@
+"""Host-free decode steps of the fused path and the CUDA-graph decode loop (kvarn.integrations.hf_graph).
+
+On CPU the kernels run under triton's interpreter and CUDA graphs do not exist: the loop's
+"simulate" mode replays each step with the host lengths of capture time, which gives wrong tokens if
+the step takes any position from the host. The real capture runs in test_hf_graph_gpu.py.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("kvarn.kernels", reason="triton is not importable")
+
+from kvarn import KVarNCache  # noqa: E402
+from kvarn.integrations import hf_attention, hf_graph  # noqa: E402
+from kernel_data import HAS_CUDA  # noqa: E402
+
+PRESET = dict(preset="k4v2_g64", sinkhorn_iters=2)  # S = G = 64
+PROMPT, NEW = 124, 7  # first decode step: sink 64, tail 61; the 5th step freezes a tile
+
+
+def _tiny_llama(device, dtype):
+    cfg = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+        eos_token_id=None,  # decode_greedy never stops early; generate must not either
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+@pytest.fixture
+def fused_model(kdevice):
+    model = _tiny_llama(kdevice, torch.float16 if HAS_CUDA else torch.float32)
+    hf_attention.use_fused(model)
+    yield model
+    model.set_attn_implementation("sdpa")
+
+
+def _fused(model, **kw):
+    return hf_attention.fused_cache(model, PRESET["preset"], sinkhorn_iters=PRESET["sinkhorn_iters"], **kw)
+
+
+def test_decode_loop_matches_generate_and_reference(fused_model, kdevice):
+    model = fused_model
+    ids = torch.randint(0, 97, (2, PROMPT), device=kdevice)
+    kw = dict(max_new_tokens=NEW, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0,
+              output_logits=True, return_dict_in_generate=True)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(ids, past_key_values=KVarNCache(model, "kvarn", **PRESET), **kw)
+    hf_attention.use_fused(model)
+    fused = model.generate(ids, past_key_values=_fused(model), **kw)
+    runs = {}
+    for mode in ("none", "simulate"):
+        cache = _fused(model, max_length=PROMPT + NEW)
+        runs[mode] = hf_graph.decode_greedy(model, cache, ids, NEW, capture=mode)
+        layer = cache.layers[0]
+        assert layer.store.counts == [1, 1]  # frozen during decoding, by the captured flush step
+        assert layer.tail_len == [PROMPT + NEW - 1 - 2 * 64] * 2
+        assert layer._dev_len.tolist() == [[64, 64], [1, 1], layer.tail_len]
+    # The loop runs the same kernels as generate over the same state: identical tokens.
+    assert torch.equal(runs["none"], fused.sequences[:, PROMPT:])
+    assert torch.equal(runs["simulate"], fused.sequences[:, PROMPT:])
+    # Against the cache's read path: the same tokens (fp16 on a GPU may split a near tie late, so
+    # at least the first three) and close logits up to any divergence.
+    same = (fused.sequences[:, PROMPT:] == ref.sequences[:, PROMPT:]).all(0).long().cumprod(0).sum()
+    assert same >= (NEW if not HAS_CUDA else 3)
+    for a, b in list(zip(fused.logits, ref.logits))[: int(same)]:
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_simulated_replay_catches_a_host_position(fused_model, kdevice, monkeypatch):
+    """The check has teeth: a tail write at the host's position goes wrong under simulated replay."""
+    model = fused_model
+    ids = torch.randint(0, 97, (1, PROMPT), device=kdevice)
+    good = hf_graph.decode_greedy(model, _fused(model, max_length=PROMPT + NEW), ids, NEW, capture="simulate")
+
+    def host_append(self, k, v):
+        t, q = self.tail_len[0], k.shape[-2]
+        self.tail_k[:, :, t:t + q] = k
+        self.tail_v[:, :, t:t + q] = v
+        self._dev_len[2].add_(q)
+
+    monkeypatch.setattr(hf_attention.FusedKVarNLayer, "_append_device", host_append)
+    eager = hf_graph.decode_greedy(model, _fused(model, max_length=PROMPT + NEW), ids, NEW, capture="none")
+    bad = hf_graph.decode_greedy(model, _fused(model, max_length=PROMPT + NEW), ids, NEW, capture="simulate")
+    assert torch.equal(eager, good)  # eagerly the host position is right
+    assert not torch.equal(bad, good)
+
+
+_SYNCING = [(torch.Tensor, name) for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__",
+                                              "nonzero", "cpu", "numpy")] + [(torch, "tensor"), (torch, "nonzero")]
+
+
+@contextlib.contextmanager
+def _count_host_reads(monkeypatch):
+    """Counts calls that read a device value on the host or copy host values to the device."""
+    calls = []
+    with monkeypatch.context() as m:
+        for owner, name in _SYNCING:
+            orig = getattr(owner, name)
+
+            def wrapper(*a, _orig=orig, _name=name, **kw):
+                calls.append(_name)
+                return _orig(*a, **kw)
+
+            m.setattr(owner, name, wrapper)
+        yield calls
+
+
+def test_steady_steps_read_nothing_back(fused_model, kdevice, monkeypatch):
+    """Plain and flush steps of a steady cache: no .item()/.tolist()/bool()/torch.tensor(...)."""
+    from kvarn import attention, codec, kernels
+
+    # The interpreter itself moves tensors to numpy: count the step around the kernels, which are
+    # replaced by their torch twins (same signatures; they are checked against the kernels elsewhere).
+    monkeypatch.setattr(kernels, "decode_attention",
+                        lambda q, *a, **kw: attention.decode_attention(q.float(), *a, **kw).to(q.dtype))
+    monkeypatch.setattr(kernels, "encode_tiles", lambda k, v, c, out=None, **kw: codec.encode_tiles(k, v, c))
+    model = fused_model
+    ids = torch.randint(0, 97, (2, PROMPT), device=kdevice)
+    cache = _fused(model, max_length=PROMPT + 16)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        tok = ids[:, -1:]
+        pos = torch.full((1, 1), PROMPT, dtype=torch.long, device=kdevice)
+        model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True)  # freezes the prompt
+        layer = cache.layers[0]
+        assert layer.steady
+        kinds = []
+        while len(kinds) < 6:
+            pos += 1
+            kinds.append("flush" if layer.tiles_due() else "plain")
+            with _count_host_reads(monkeypatch) as calls:
+                model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True)
+            assert calls == [], f"{kinds[-1]} step {len(kinds)} read the device from the host: {calls}"
+    assert "flush" in kinds and layer.store.counts == [1, 1]
+    with _count_host_reads(monkeypatch) as calls:
+        torch.zeros(1).item()
+    assert calls == ["item"]  # the counter sees what it should
+
+
+def test_left_padded_rows_take_the_host_plan(fused_model, kdevice):
+    """Rows at different lengths: no lockstep, every step plans on the host; same tokens as the read path."""
+    model = fused_model
+    ids = torch.randint(1, 97, (2, PROMPT), device=kdevice)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(ids, past_key_values=KVarNCache(model, "kvarn", **PRESET), **kw)
+    hf_attention.use_fused(model)
+    cache = _fused(model)
+    out = model.generate(ids, past_key_values=cache, **kw)
+    layer = cache.layers[0]
+    assert not layer.steady and layer.tail_len == [PROMPT - 64 + 3, PROMPT - 5 - 64 + 3]
+    assert layer._dev_len.tolist() == [layer.sink_len, layer.store.counts, layer.tail_len]
+    assert torch.equal(out, ref)
+
+
+def test_decode_greedy_refuses_what_it_cannot_capture(fused_model, kdevice):
+    ids = torch.randint(0, 97, (1, 8), device=kdevice)
+    with pytest.raises(ValueError, match="max_length"):
+        hf_graph.decode_greedy(fused_model, _fused(fused_model), ids, 2, capture="none")
+    with pytest.raises(ValueError, match="capture"):
+        hf_graph.decode_greedy(fused_model, _fused(fused_model, max_length=16), ids, 2, capture="graph")
+    with pytest.raises(ValueError, match="StaticLayer"):
+        hf_graph.decode_greedy(fused_model, KVarNCache(fused_model, "fp16"), ids, 2, capture="none")
+    cache = _fused(fused_model, max_length=9)
+    with pytest.raises(ValueError, match="max_length=9"):
+        hf_graph.decode_greedy(fused_model, cache, ids, 4, capture="none")
