@@ -1,7 +1,8 @@
 """Triton building blocks of the fused decode kernel (:mod:`kvarn.kernels.decode`).
 
-Code planes, the split-precision product, the Hadamard rotation of a few rows, and the online
-softmax step over a block of full-precision tokens (sink and tail).
+Code planes, the split-precision product, the Hadamard rotation of a few rows, the online softmax
+steps over a quantized tile and over a block of full-precision tokens (sink and tail), and the merge
+of the splits' partial results.
 """
 
 import triton
@@ -145,3 +146,91 @@ def fp_block(
         v = tl.load(v_ptr + base + offs[:, None] * s_n + (c * PV + j)[None, :], mask=ok[:, None], other=0.0)
         new = new + (accs[j] * alpha[None, :] + pair_sum(tl.dot(tl.trans(v.to(tl.float16)), bp)),)
     return m_new, l_i, new
+
+
+@triton.jit
+def tile_step(
+    qt, n, b64, h64, m_i, l_i, accs, t, c, d, g,
+    kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
+    kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
+    vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
+    vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
+    D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+    KSCALE: tl.constexpr, VSCALE: tl.constexpr, ASM: tl.constexpr,
+):
+    """One quantized tile: scores per K bit plane, online softmax in token order, V per bit plane."""
+    PK: tl.constexpr = 8 // KB
+    PV: tl.constexpr = 8 // VB
+    n64 = b64 * 0 + n
+    # K bytes [G/PK, D] and V bytes [D/PV, G]: rows run along each product's reduction axis.
+    kc = tl.load(kc_ptr + b64 * kc_sb + h64 * kc_sh + n64 * kc_sn + t[:, None] * D + d[None, :])
+    vc = tl.load(vc_ptr + b64 * vc_sb + h64 * vc_sh + n64 * vc_sn + c[:, None] * G + g[None, :])
+    sk = tl.load(ks_ptr + b64 * ks_sb + h64 * ks_sh + n64 * ks_sn + d).to(tl.float32)
+    zk = tl.load(kz_ptr + b64 * kz_sb + h64 * kz_sh + n64 * kz_sn + d).to(tl.float32)
+    rk = tl.load(kr_ptr + b64 * kr_sb + h64 * kr_sh + n64 * kr_sn + g).to(tl.float32)
+    sv = tl.load(vs_ptr + b64 * vs_sb + h64 * vs_sh + n64 * vs_sn + g).to(tl.float32)
+    zv = tl.load(vz_ptr + b64 * vz_sb + h64 * vz_sh + n64 * vz_sn + g).to(tl.float32)
+    bqs = hilo(qt * (sk * KSCALE)[:, None])  # [D, 2M]
+    qz = tl.sum(qt * zk[:, None], axis=0)  # [M]
+    raw = ()
+    for i in tl.static_range(PK):
+        raw = raw + (pair_sum(tl.dot(code_plane(kc, i * KB, KB, ASM), bqs)),)  # tokens PK t + i
+    s = (interleave_rows(raw, PK) + qz[None, :]) * rk[:, None]  # [G, M], token order
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    zs = tl.sum(p * zv[:, None], axis=0)
+    bp = hilo(p * (sv * VSCALE)[:, None])  # [G, 2M]
+    cbase = b64 * vcs_sb + h64 * vcs_sh + n64 * vcs_sn
+    new = ()
+    for j in tl.static_range(PV):
+        cv = tl.load(vcs_ptr + cbase + c * PV + j).to(tl.float32)
+        y = pair_sum(tl.dot(code_plane(vc, j * VB, VB, ASM), bp))  # channels PV c + j
+        new = new + (accs[j] * alpha[None, :] + (y + zs[None, :]) * cv[:, None],)
+    return m_new, l_i, new
+
+
+@triton.jit
+def merge_splits(pacc_ptr, pml_ptr, h_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS, FP_SPLITS, fp_out_rot,
+           v_rot, inv_sqrt_d, rows, row_ok, qi, qh, D: tl.constexpr, M: tl.constexpr, CACHE: tl.constexpr):
+    """Merge the NS partials of one (sequence, head): rotated-frame ones are un-rotated together."""
+    SB: tl.constexpr = 8  # partials loaded per step (loads in flight)
+    d = tl.arange(0, D)
+    s_off = tl.arange(0, SB)
+    base = bh.to(tl.int64) * NS
+    m_tot = tl.full([M], float("-inf"), tl.float32)
+    for s0 in range(0, NS, SB):
+        s_idx = s0 + s_off
+        ml = tl.load(pml_ptr + ((base + s_idx[:, None]) * M + rows[None, :]) * 2,
+                     mask=(s_idx < NS)[:, None], other=float("-inf"), cache_modifier=CACHE)
+        m_tot = tl.maximum(m_tot, tl.max(ml, axis=0))
+    m_safe = tl.where(m_tot == float("-inf"), 0.0, m_tot)
+    l_tot = tl.zeros([M], tl.float32)
+    acc_rot = tl.zeros([M, D], tl.float32)
+    acc_model = tl.zeros([M, D], tl.float32)
+    for s0 in range(0, NS, SB):
+        s_idx = s0 + s_off
+        ok = s_idx < NS
+        off = (base + s_idx[:, None]) * M + rows[None, :]  # [SB, M]
+        m_s = tl.load(pml_ptr + off * 2, mask=ok[:, None], other=float("-inf"), cache_modifier=CACHE)
+        l_s = tl.load(pml_ptr + off * 2 + 1, mask=ok[:, None], other=0.0, cache_modifier=CACHE)
+        a_s = tl.load(pacc_ptr + off[:, :, None] * D + d[None, None, :], mask=ok[:, None, None], other=0.0,
+                      cache_modifier=CACHE)
+        w = tl.exp2(m_s - m_safe[None, :])  # [SB, M]
+        l_tot += tl.sum(w * l_s, axis=0)
+        is_fp = s_idx < FP_SPLITS
+        rot = tl.where(is_fp, fp_out_rot, v_rot) != 0  # [SB]: partial in the rotated frame
+        wa = w[:, :, None] * a_s
+        acc_rot += tl.sum(tl.where(rot[:, None, None], wa, 0.0), axis=0)
+        acc_model += tl.sum(tl.where(rot[:, None, None], 0.0, wa), axis=0)
+    # The rotated-frame sum is un-rotated from memory (chunked, see rotate_rows): slot 0 of this
+    # (sequence, head) has been read, so it holds it; a CTA barrier orders the write and the reads.
+    slot = (base * M + rows) * D
+    tl.store(pacc_ptr + slot[:, None] + d[None, :], acc_rot)
+    tl.debug_barrier()
+    o = rotate_rows(pacc_ptr, slot, rows >= 0, h_ptr, D, True, CACHE) * inv_sqrt_d + acc_model
+    inv_l = tl.where(l_tot > 0, 1.0 / l_tot, 0.0)
+    o = o * inv_l[:, None]
+    tl.store(o_ptr + b64 * o_sb + qh[:, None].to(tl.int64) * o_sh + qi[:, None] * o_st + d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
