@@ -87,7 +87,7 @@ def test_greedy_tokens_match_the_transformers_path(llm, tokenizer):
     print(json.dumps(report))
     # The long prompt's decode read packed tiles: two were committed into records (at 256 and 384).
     layers = llm.llm_engine.vllm_config.compilation_config.static_forward_context
-    assert all(len(layer.impl.staging.committed) >= 2 for layer in layers.values() if hasattr(layer, "impl"))
+    assert all(layer.impl.tiles_committed >= 2 for layer in layers.values() if hasattr(layer, "impl"))
     assert all(r["first_divergence"] == N_TOKENS for r in report), report
 
 
