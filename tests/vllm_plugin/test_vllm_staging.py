@@ -7,7 +7,7 @@ from kvarn.codec import fields_to_records
 from kvarn.config import PRESETS
 from kvarn.integrations.vllm.settings import is_requested, kv_cache_dtype_names, settings_from_vllm_config
 from kvarn.codec import rotate_kv
-from kvarn.integrations.vllm.plan import build_plan
+from kvarn.integrations.vllm.plan import build_plan, decode_groups
 from kvarn.integrations.vllm.staging import StagingIndex, encode_records, staging_bytes, staging_slots
 from kvarn.methods import TileCodec
 
@@ -90,10 +90,11 @@ def test_plan_batches_prefill_decode_and_commits():
     assert torch.equal(p.write_idx[:3], index.block_to_slot[5] * G + torch.arange(3))
     # step 2: both decode; a's full tile after the sink (block 2) is committed before attention
     p = _step(index, [(300, 1, False, a[:3]), (40, 1, False, b)], num_layers=2)
-    assert p.commit_blocks.tolist() == [2] and p.dec_tok.tolist() == [0, 1]
-    assert p.dec_tile_counts.tolist() == [1, 0] and p.dec_tile_blocks[0].tolist() == [2]
-    assert p.dec_tail_len.tolist() == [301 - 256, 0] and p.dec_sink_len.tolist() == [128, 41]
-    assert p.dec_tail_slot[1] == index.zero_slot and p.dec_tail_slot[0] == index.block_to_slot[9]
+    # decode rows are sorted by tile count: b (no tile yet) first
+    assert p.commit_blocks.tolist() == [2] and p.dec_tok.tolist() == [1, 0]
+    assert p.dec_tile_counts.tolist() == [0, 1] and p.dec_tile_blocks[1].tolist() == [2]
+    assert p.dec_tail_len.tolist() == [0, 301 - 256] and p.dec_sink_len.tolist() == [41, 128]
+    assert p.dec_tail_slot[0] == index.zero_slot and p.dec_tail_slot[1] == index.block_to_slot[9]
     used = index.used
     p.layer_committed()
     assert index.used == used  # the second layer still has to encode block 2
@@ -102,6 +103,15 @@ def test_plan_batches_prefill_decode_and_commits():
     # a finishes: vLLM reports it, its slots return to the pool and its blocks are no longer committed
     index.release(torch.tensor(a[:3]))
     assert index.used == 1 and not bool(index.committed[2])
+
+
+def test_decode_groups_cut_padding():
+    tiles = [0] * 10 + [3] * 10 + [6] * 12
+    groups = decode_groups(tiles, sink_blocks=1)
+    assert groups == [(0, 10, 0), (10, 20, 3), (20, 32, 6)]  # three calls, no padded tile
+    assert decode_groups([2] * 32, sink_blocks=1) == [(0, 32, 2)]  # one call when counts agree
+    assert decode_groups([0, 1], sink_blocks=1) == [(0, 2, 1)]  # a call costs more than one tile of padding
+    assert decode_groups([], sink_blocks=1) == []
 
 
 def test_pool_exhaustion_is_an_error_not_an_overwrite():

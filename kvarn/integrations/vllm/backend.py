@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
+from torch.profiler import record_function
 
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import (
@@ -92,10 +93,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[StepPlan | WindowMetadata]):
             )
         prefilling = (cam.is_prefilling[:r].cpu() if cam.is_prefilling is not None
                       else torch.zeros(r, dtype=torch.bool))
-        plan = build_plan(
-            self.index, self.config.tile, self.config.sink_tokens, cam.query_start_loc_cpu[: r + 1],
-            cam.seq_lens[:r].cpu(), cam.block_table_tensor[:r].cpu(), prefilling, cam.slot_mapping.cpu(),
-            cam.num_actual_tokens, self.num_layers)
+        with record_function("kvarn.plan"):
+            plan = build_plan(
+                self.index, self.config.tile, self.config.sink_tokens, cam.query_start_loc_cpu[: r + 1],
+                cam.seq_lens[:r].cpu(), cam.block_table_tensor[:r].cpu(), prefilling, cam.slot_mapping.cpu(),
+                cam.num_actual_tokens, self.num_layers)
         return plan.to(self.device)
 
 
@@ -257,56 +259,64 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
         self._staging(kv_cache, k.dtype)
         use_triton = self._use_triton(q)
         t = plan.num_actual_tokens
-        # stage the new tokens, rotated (fp32 products, stored in the model dtype)
-        self.stage_k.index_copy_(0, plan.write_idx, rotate(k[:t], torch.float32).to(self.stage_k.dtype))
-        self.stage_v.index_copy_(0, plan.write_idx, rotate(v[:t], torch.float32).to(self.stage_v.dtype))
+        with record_function("kvarn.stage"):  # the new tokens, rotated (fp32 products, model dtype)
+            self.stage_k.index_copy_(0, plan.write_idx, rotate(k[:t], torch.float32).to(self.stage_k.dtype))
+            self.stage_v.index_copy_(0, plan.write_idx, rotate(v[:t], torch.float32).to(self.stage_v.dtype))
         sk = self.stage_k.view(-1, g, hk, d)  # [slots + 1, G, Hk, D]
         sv = self.stage_v.view(-1, g, hk, d)
         if plan.commit_blocks.numel():  # one encode call for every tile committed this step
-            records = encode_records(sk.index_select(0, plan.commit_slots), sv.index_select(0, plan.commit_slots),
-                                     cfg, use_triton)
-            pages.index_copy_(0, plan.commit_blocks, records.to(pages.device))
+            with record_function("kvarn.commit"):
+                records = encode_records(sk.index_select(0, plan.commit_slots),
+                                         sv.index_select(0, plan.commit_slots), cfg, use_triton)
+                pages.index_copy_(0, plan.commit_blocks, records.to(pages.device))
             plan.layer_committed()
             self.tiles_committed += plan.commit_blocks.numel()
         if plan.dec_tok.numel():
-            self._decode(q, sk, sv, pages, plan, out, use_triton)
+            with record_function("kvarn.decode"):
+                self._decode(q, sk, sv, pages, plan, out, use_triton)
         if plan.pre_tok.numel():
-            self._prefill(q, sk, sv, plan, out)
+            with record_function("kvarn.prefill"):
+                self._prefill(q, sk, sv, plan, out)
         for t0, n, length, blocks in plan.extend:
-            out[t0:t0 + n] = self._extend(q[t0:t0 + n], blocks, length, sk, sv, pages, plan).to(out.dtype)
+            with record_function("kvarn.extend"):
+                out[t0:t0 + n] = self._extend(q[t0:t0 + n], blocks, length, sk, sv, pages, plan).to(out.dtype)
 
     def _decode(self, q, sk, sv, pages, plan: StepPlan, out, use_triton) -> None:
-        """One query token for each of B requests: one packed ``decode_attention`` call.
+        """One query token for each of B requests: one packed ``decode_attention`` call per group
+        of :attr:`StepPlan.dec_groups` (at most 3, rows of similar tile counts).
 
         The ``Hq / Hk`` query heads of a KV head are passed as its query tokens (``[B, Hk, group,
         D]``, non-causal: a decode query sees every valid key), so K/V are never repeated per head.
         """
         cfg, g, d, hk = self.config, self.config.tile, self.head_size, self.num_kv_heads
-        b, group = plan.dec_tok.numel(), self.num_heads // hk
-        qd = q.index_select(0, plan.dec_tok).view(b, hk, group, d)
+        group = self.num_heads // hk
         sb = plan.dec_sink_slots.shape[1]
-        sink_k = sink_v = None
-        if sb:
-            flat = plan.dec_sink_slots.reshape(-1)
-            sink_k = sk.index_select(0, flat).view(b, sb * g, hk, d).transpose(1, 2)
-            sink_v = sv.index_select(0, flat).view(b, sb * g, hk, d).transpose(1, 2)
-        tail_k = sk.index_select(0, plan.dec_tail_slot).transpose(1, 2)  # [B, Hk, G, D]
-        tail_v = sv.index_select(0, plan.dec_tail_slot).transpose(1, 2)
-        tiles = None
-        n_max = plan.dec_tile_blocks.shape[1]
-        if n_max:
-            rec = pages.index_select(0, plan.dec_tile_blocks.reshape(-1)).view(b, n_max, hk, -1).transpose(1, 2)
-            tiles = record_field_views(rec, cfg, d)  # views [B, Hk, N, ...], no copy
-            if use_triton:
-                tiles = tiles.map(lambda x: x.contiguous())
         fn = decode_attention
         if use_triton:
             from ...kernels import decode_attention as fn
-        o = fn(qd, sink_k, sink_v, tiles, tail_k, tail_v, cfg, self.scale,
-               sink_lengths=plan.dec_sink_len if sb else None,
-               tile_counts=plan.dec_tile_counts if n_max else None,
-               tail_lengths=plan.dec_tail_len, causal=False, fp_frame="rotated")
-        out.index_copy_(0, plan.dec_tok, o.reshape(b, self.num_heads, d).to(out.dtype))
+        for first, stop, n_max in plan.dec_groups:
+            b, rows = stop - first, slice(first, stop)
+            tok = plan.dec_tok[rows]
+            qd = q.index_select(0, tok).view(b, hk, group, d)
+            sink_k = sink_v = None
+            if sb:
+                flat = plan.dec_sink_slots[rows].reshape(-1)
+                sink_k = sk.index_select(0, flat).view(b, sb * g, hk, d).transpose(1, 2)
+                sink_v = sv.index_select(0, flat).view(b, sb * g, hk, d).transpose(1, 2)
+            tail_k = sk.index_select(0, plan.dec_tail_slot[rows]).transpose(1, 2)  # [b, Hk, G, D]
+            tail_v = sv.index_select(0, plan.dec_tail_slot[rows]).transpose(1, 2)
+            tiles = None
+            if n_max:
+                blocks = plan.dec_tile_blocks[rows, :n_max].reshape(-1)
+                rec = pages.index_select(0, blocks).view(b, n_max, hk, -1).transpose(1, 2)
+                tiles = record_field_views(rec, cfg, d)  # views [b, Hk, N, ...], no copy
+                if use_triton:
+                    tiles = tiles.map(lambda x: x.contiguous())
+            o = fn(qd, sink_k, sink_v, tiles, tail_k, tail_v, cfg, self.scale,
+                   sink_lengths=plan.dec_sink_len[rows] if sb else None,
+                   tile_counts=plan.dec_tile_counts[rows] if n_max else None,
+                   tail_lengths=plan.dec_tail_len[rows], causal=False, fp_frame="rotated")
+            out.index_copy_(0, tok, o.reshape(b, self.num_heads, d).to(out.dtype))
 
     def _prefill(self, q, sk, sv, plan: StepPlan, out) -> None:
         """Prompt tokens of P requests: one exact causal attention over their staged fp tokens."""

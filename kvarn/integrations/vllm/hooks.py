@@ -45,6 +45,7 @@ def _patch_budget(worker_cls) -> None:
     @functools.wraps(original)
     def determine_available_memory(self) -> int:
         available = original(self)
+        self.kvarn_kv_budget_bytes = available  # what vLLM granted, for capacity checks
         reserve = staging_reserve_bytes(self.vllm_config, self.model_config.dtype)
         if reserve:
             if reserve >= available:
