@@ -39,7 +39,8 @@ def test_flag_selects_preset_and_options():
     assert "kvarn_k4v2_g128" in kv_cache_dtype_names()
 
 
-@pytest.mark.parametrize("bad", [{"kvarn": {"preset": "k3v3"}}, {"kvarn": {"tile": 64}}, {"kvarn": {"kernels": "cuda"}}])
+@pytest.mark.parametrize("bad", [{"kvarn": {"preset": "k3v3"}}, {"kvarn": {"tile": 64}}, {"kvarn": {"kernels": "cuda"}},
+                                 {"kvarn": {"staging_slots": 0}}, {"kvarn": {"stale_steps": 64}}])
 def test_flag_rejects_bad_values(bad):
     with pytest.raises(ValueError):
         settings_from_vllm_config(_VllmConfig(bad))
