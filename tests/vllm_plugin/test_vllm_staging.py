@@ -3,10 +3,12 @@
 import pytest
 import torch
 
-from kvarn.codec import decode_tiles, fields_to_records, records_to_fields
+from kvarn.codec import fields_to_records
 from kvarn.config import PRESETS
 from kvarn.integrations.vllm.settings import is_requested, kv_cache_dtype_names, settings_from_vllm_config
-from kvarn.integrations.vllm.staging import LayerStaging, encode_records
+from kvarn.codec import rotate_kv
+from kvarn.integrations.vllm.plan import build_plan, decode_groups
+from kvarn.integrations.vllm.staging import StagingIndex, encode_records, staging_bytes, staging_slots
 from kvarn.methods import TileCodec
 
 CFG = PRESETS["k4v2_g128"]
@@ -37,7 +39,8 @@ def test_flag_selects_preset_and_options():
     assert "kvarn_k4v2_g128" in kv_cache_dtype_names()
 
 
-@pytest.mark.parametrize("bad", [{"kvarn": {"preset": "k3v3"}}, {"kvarn": {"tile": 64}}, {"kvarn": {"kernels": "cuda"}}])
+@pytest.mark.parametrize("bad", [{"kvarn": {"preset": "k3v3"}}, {"kvarn": {"tile": 64}}, {"kvarn": {"kernels": "cuda"}},
+                                 {"kvarn": {"staging_slots": 0}}, {"kvarn": {"stale_steps": 64}}])
 def test_flag_rejects_bad_values(bad):
     with pytest.raises(ValueError):
         settings_from_vllm_config(_VllmConfig(bad))
@@ -51,42 +54,68 @@ def _kv(n, seed=0):
 def test_records_match_the_transformers_codec():
     """A committed page holds exactly what kvarn's own cache would freeze for the same tile."""
     k, v = _kv(G)
-    rec = encode_records(k.transpose(0, 1)[None], v.transpose(0, 1)[None], CFG, use_triton=False)  # [1, Hk, R]
+    staged_k, staged_v = rotate_kv(k, CFG)[None], rotate_kv(v, CFG)[None]  # staging layout [1, G, Hk, D]
+    rec = encode_records(staged_k, staged_v, CFG, use_triton=False)  # [1, Hk, R]
     enc = TileCodec("kvarn", CFG).encode(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
     assert torch.equal(rec[:, :, None], fields_to_records(enc.tiles, CFG, D))
 
 
-def test_write_gather_commit_across_blocks():
-    st = LayerStaging(CFG, HK, D, torch.float32, torch.device("cpu"), stale_steps=4, initial_slots=2)
-    pages = torch.zeros(16, HK, CFG.record_bytes(D), dtype=torch.uint8)
-    blocks = [7, 3, 11]
-    k, v = _kv(300)
-    st.begin_step()
-    st.write(blocks, 0, k[:200], v[:200])  # chunked prefill: two chunks
-    st.write(blocks, 200, k[200:], v[200:])
-    gk, gv = st.gather(blocks, 100, 290)
-    assert torch.equal(gk, k[100:290].transpose(0, 1)) and torch.equal(gv, v[100:290].transpose(0, 1))
-    st.commit([3], pages, use_triton=False)
-    assert st.committed == {3} and 3 not in st.slot_of
-    kt, vt = decode_tiles(records_to_fields(pages[3][None, :, None], CFG, D), CFG)
-    assert kt.shape == (1, HK, 1, D, G) and pages[[7, 11]].eq(0).all()
-    st.commit([3], pages, use_triton=False)  # never re-encoded: idempotent
-    with pytest.raises(RuntimeError, match="no longer staged"):
-        st.gather(blocks, 128, 200)
-    st.write(blocks, 128, k[:1], v[:1])  # block 3 reused by a new writer: uncommitted again
-    assert 3 not in st.committed
+def test_slot_pool_size_and_bytes():
+    # 4 sequences x (1 sink + 1 tail) + 2048/128 prompt tiles per step + one chunked prompt of 1024
+    assert staging_slots(CFG, 4, 2048, 1024) == 8 + 16 + 8
+    assert staging_bytes(10, CFG, HK, D, torch.bfloat16) == 2 * 11 * G * HK * D * 2
 
 
-def test_stale_slots_are_reclaimed_before_growing():
-    st = LayerStaging(CFG, HK, D, torch.float32, torch.device("cpu"), stale_steps=2, initial_slots=2)
-    k, v = _kv(1)
-    st.begin_step()
-    st.write([0], 0, k, v)
-    st.write([1], 0, k, v)
-    for _ in range(2):
-        st.begin_step()
-    st.write([2], 0, k, v)  # the two old slots are stale: one is reused, no growth
-    assert st.k.shape[0] == 2 and 2 in st.slot_of
-    st.write([3], 0, k, v)
-    st.write([4], 0, k, v)  # nothing stale now: the pool doubles
-    assert st.k.shape[0] == 4
+def _step(index, reqs, num_layers=1):
+    """reqs: (ctx, n, prefilling, blocks) per request -> the plan of one step."""
+    qsl, lens, rows, pre, slots = [0], [], [], [], []
+    width = max(len(b) for *_, b in reqs)
+    for ctx, n, prefilling, blocks in reqs:
+        qsl.append(qsl[-1] + n)
+        lens.append(ctx + n)
+        rows.append(blocks + [0] * (width - len(blocks)))
+        pre.append(prefilling)
+        slots += [blocks[p // G] * G + p % G for p in range(ctx, ctx + n)]
+    return build_plan(index, G, CFG.sink_tokens, torch.tensor(qsl), torch.tensor(lens), torch.tensor(rows),
+                      torch.tensor(pre), torch.tensor(slots), len(slots), num_layers)
+
+
+def test_plan_batches_prefill_decode_and_commits():
+    index = StagingIndex(slots=8)
+    a, b = [5, 2, 9, 4], [7]
+    # step 1: a's 300-token prompt and b's 40-token prompt, both prefilled in one step
+    p = _step(index, [(0, 300, True, a[:3]), (0, 40, True, b)])
+    assert p.commit_blocks.numel() == 0 and p.dec_tok.numel() == 0
+    assert p.pre_tok.shape == (2, 300) and p.pre_valid.sum() == 340
+    assert index.used == 4  # a: 3 blocks in fp (the prompt stays exact), b: 1
+    assert torch.equal(p.write_idx[:3], index.block_to_slot[5] * G + torch.arange(3))
+    # step 2: both decode; a's full tile after the sink (block 2) is committed before attention
+    p = _step(index, [(300, 1, False, a[:3]), (40, 1, False, b)], num_layers=2)
+    # decode rows are sorted by tile count: b (no tile yet) first
+    assert p.commit_blocks.tolist() == [2] and p.dec_tok.tolist() == [1, 0]
+    assert p.dec_tile_counts.tolist() == [0, 1] and p.dec_tile_blocks[1].tolist() == [2]
+    assert p.dec_tail_len.tolist() == [0, 301 - 256] and p.dec_sink_len.tolist() == [41, 128]
+    assert p.dec_tail_slot[0] == index.zero_slot and p.dec_tail_slot[1] == index.block_to_slot[9]
+    used = index.used
+    p.layer_committed()
+    assert index.used == used  # the second layer still has to encode block 2
+    p.layer_committed()
+    assert index.used == used - 1 and bool(index.committed[2])
+    # a finishes: vLLM reports it, its slots return to the pool and its blocks are no longer committed
+    index.release(torch.tensor(a[:3]))
+    assert index.used == 1 and not bool(index.committed[2])
+
+
+def test_decode_groups_cut_padding():
+    tiles = [0] * 10 + [3] * 10 + [6] * 12
+    groups = decode_groups(tiles, sink_blocks=1)
+    assert groups == [(0, 10, 0), (10, 20, 3), (20, 32, 6)]  # three calls, no padded tile
+    assert decode_groups([2] * 32, sink_blocks=1) == [(0, 32, 2)]  # one call when counts agree
+    assert decode_groups([0, 1], sink_blocks=1) == [(0, 2, 1)]  # a call costs more than one tile of padding
+    assert decode_groups([], sink_blocks=1) == []
+
+
+def test_pool_exhaustion_is_an_error_not_an_overwrite():
+    index = StagingIndex(slots=2)
+    with pytest.raises(RuntimeError, match="staging_slots"):
+        _step(index, [(0, 300, True, [1, 2, 3])])

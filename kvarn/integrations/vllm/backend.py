@@ -5,16 +5,12 @@ Paged layout. The KV block size is the tile G. ``customize_spec`` sets ``tokens_
 (viewed as uint8): one KVarN record of spec section 4 per (block, KV head), and the engine sizes
 its block pool, hence its reported KV capacity in tokens, from the record size.
 
-Per request and step (``ctx`` cached tokens, ``n`` new ones, ``L = ctx + n``):
-1. commit the staged full tiles before ``ctx`` (accepted) that are not committed yet, unless the
-   request is still prefilling (chunked prefill: its prompt stays in fp until the prompt is done);
-2. stage the new K/V in full precision (:mod:`.staging`);
-3. attention: if every query token lies in the fp tail, the packed decode path
-   (``kvarn.attention.decode_attention``, or ``kvarn.kernels.decode_attention`` on CUDA) over
-   [sink fp | packed tiles | tail fp]; otherwise (prefill, chunked prefill) an explicit causal
-   attention over [sink fp | dequantized tiles | fp tokens], exact for the prompt itself;
-4. without speculative decoding every scheduled token is accepted: commit the full tiles now
-   (after the prompt: prefill tiles are committed at the first decode step, before it reads them).
+Per step, the metadata builder turns vLLM's block table, ``seq_lens`` and slot mapping into one
+:class:`~.plan.StepPlan` of index tensors for every layer (:mod:`.plan`): each layer then stages its
+new tokens with one ``index_copy_``, encodes the tiles to commit with one ``encode_records`` call,
+runs one batched ``decode_attention`` for all decoding requests and one batched exact attention for
+all prefilling ones. The fp sink and tail staging is a fixed pool reserved out of vLLM's KV budget
+(:mod:`.staging`, :mod:`.hooks`).
 
 Sliding-window layers keep a plain full-precision paged cache (``[nb, Hk, block, 2D]``, K then V).
 Not supported (raise at construction): ALiBi, logit soft-capping, attention sinks, cross-layer KV
@@ -28,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
+from torch.profiler import record_function
 
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import (
@@ -40,44 +37,68 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ...attention import decode_attention
-from ...codec import decode_tiles, records_to_fields
+from ...codec import decode_tiles, record_field_views
 from ...config import PRESETS, KVarNConfig, supported_head_dims
 from ...hadamard import rotate
+from .hooks import install_hooks
+from .plan import StepPlan, build_plan
 from .settings import DEFAULT_PRESET, kv_cache_dtype_names, settings_from_vllm_config
-from .staging import LayerStaging
+from .staging import StagingIndex, encode_records, staging_bytes
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class KVarNMetadata:
-    """Per-step metadata; host-side lists because the backend walks requests on the host."""
+class WindowMetadata:
+    """Per-step metadata of sliding-window layers (plain fp paged cache); host-side lists."""
 
     num_actual_tokens: int
     query_start_loc: list[int]
     seq_lens: list[int]
     block_table: torch.Tensor  # [num_reqs, max_blocks] on the host
     slot_mapping: torch.Tensor
-    prefilling: list[bool]  # the request's prompt is not fully computed after this step's chunk
 
 
-class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
+class KVarNMetadataBuilder(AttentionMetadataBuilder[StepPlan | WindowMetadata]):
+    """Builds one :class:`StepPlan` per step for all KVarN layers of a KV-cache group.
+
+    It owns the group's staging slot table (:class:`StagingIndex`); the model runner hook of
+    :mod:`.hooks` calls :meth:`release_blocks` for requests vLLM reports finished or preempted.
+    """
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.windowed = _is_windowed(kv_cache_spec)
+        settings = settings_from_vllm_config(vllm_config)
+        self.config = settings.config
+        self.num_layers = len(layer_names)
+        self.index = None if self.windowed else StagingIndex(settings.slots(vllm_config))
+        install_hooks(vllm_config)
+
+    def release_blocks(self, block_ids) -> None:
+        if self.index is not None:
+            self.index.release(torch.as_tensor(list(block_ids), dtype=torch.int64))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> KVarNMetadata:
+              fast_build: bool = False) -> StepPlan | WindowMetadata:
         cam = common_attn_metadata
         r = cam.num_reqs
-        prefilling = cam.is_prefilling[:r].tolist() if cam.is_prefilling is not None else [False] * r
-        return KVarNMetadata(
-            num_actual_tokens=cam.num_actual_tokens,
-            query_start_loc=cam.query_start_loc_cpu[: r + 1].tolist(),
-            seq_lens=cam.seq_lens[:r].tolist(),
-            block_table=cam.block_table_tensor[:r].cpu(),
-            slot_mapping=cam.slot_mapping,
-            prefilling=prefilling,
-        )
+        if self.windowed:
+            return WindowMetadata(
+                num_actual_tokens=cam.num_actual_tokens,
+                query_start_loc=cam.query_start_loc_cpu[: r + 1].tolist(),
+                seq_lens=cam.seq_lens[:r].tolist(),
+                block_table=cam.block_table_tensor[:r].cpu(),
+                slot_mapping=cam.slot_mapping,
+            )
+        prefilling = (cam.is_prefilling[:r].cpu() if cam.is_prefilling is not None
+                      else torch.zeros(r, dtype=torch.bool))
+        with record_function("kvarn.plan"):
+            plan = build_plan(
+                self.index, self.config.tile, self.config.sink_tokens, cam.query_start_loc_cpu[: r + 1],
+                cam.seq_lens[:r].cpu(), cam.block_table_tensor[:r].cpu(), prefilling, cam.slot_mapping.cpu(),
+                cam.num_actual_tokens, self.num_layers)
+        return plan.to(self.device)
 
 
 def _is_windowed(spec: AttentionSpec) -> bool:
@@ -155,7 +176,7 @@ def backend_class_path(preset: str) -> str:
     return f"{__name__}.{_class_name(preset)}"
 
 
-class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
+class KVarNAttentionImpl(AttentionImpl[StepPlan]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes=None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
@@ -179,10 +200,19 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window
         self.kv_cache_dtype = kv_cache_dtype
-        self.speculative = vllm_config.speculative_config is not None
-        self.staging: LayerStaging | None = None
+        self.slots = self.settings.slots(vllm_config)
+        self.stage_k: torch.Tensor | None = None  # [(slots + 1) * G, Hk, D], rotated
+        self.stage_v: torch.Tensor | None = None
         self._cache_ptr: int | None = None
         self._triton_logged = False
+        self.tiles_committed = 0  # (block, all KV heads) records this layer has encoded
+        install_hooks(vllm_config)
+
+    def staging_bytes(self, dtype: torch.dtype) -> int:
+        """Staging this layer allocates at its first step (0 for sliding-window layers)."""
+        if self.sliding_window is not None:
+            return 0
+        return staging_bytes(self.slots, self.config, self.num_kv_heads, self.head_size, dtype)
 
     # dispatch ----------------------------------------------------------------------------------
     def _use_triton(self, x: torch.Tensor) -> bool:
@@ -203,78 +233,139 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
             output = torch.empty_like(query)
         if attn_metadata is None:  # profiling / warm-up
             return output
-        md = attn_metadata
         out = output.view(-1, self.num_heads, self.head_size)
         q = query.view(-1, self.num_heads, self.head_size)
         k = key.view(-1, self.num_kv_heads, self.head_size)
         v = value.view(-1, self.num_kv_heads, self.head_size)
         if self.sliding_window is not None:
-            self._forward_fp(q, k, v, kv_cache, md, out)
+            self._forward_fp(q, k, v, kv_cache, attn_metadata, out)
         else:
-            self._forward_kvarn(q, k, v, kv_cache, md, out)
+            self._forward_kvarn(q, k, v, kv_cache, attn_metadata, out)
         return output
 
-    def _forward_kvarn(self, q, k, v, kv_cache, md, out) -> None:
-        cfg, g = self.config, self.config.tile
-        pages = kv_cache.view(torch.uint8)[:, :, 0]  # [num_blocks, Hk, record_bytes]
-        if self.staging is None or self._cache_ptr != kv_cache.data_ptr():
-            # A new cache tensor (the engine allocates it after its dummy runs): nothing staged is valid.
+    def _staging(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> None:
+        if self.stage_k is None or self._cache_ptr != kv_cache.data_ptr():
+            # Zeros: the last slot must stay zero, and masked positions must be finite.
+            shape = ((self.slots + 1) * self.config.tile, self.num_kv_heads, self.head_size)
+            self.stage_k = torch.zeros(shape, dtype=dtype, device=kv_cache.device)
+            self.stage_v = torch.zeros_like(self.stage_k)
             self._cache_ptr = kv_cache.data_ptr()
-            self.staging = LayerStaging(cfg, self.num_kv_heads, self.head_size, k.dtype, k.device,
-                                        self.settings.stale_steps)
-        st = self.staging
-        st.begin_step()
-        use_triton = self._use_triton(q)
-        sink_blocks = cfg.sink_tokens // g
-        for r in range(len(md.seq_lens)):
-            q0, q1 = md.query_start_loc[r], md.query_start_loc[r + 1]
-            n, length = q1 - q0, md.seq_lens[r]
-            if n == 0:
-                continue
-            ctx = length - n
-            blocks = md.block_table[r, : -(-length // g)].tolist()
-            if md.prefilling[r]:  # chunked prefill: the prompt's own attention stays exact
-                st.write(blocks, ctx, k[q0:q1], v[q0:q1])
-                out[q0:q1] = self._attend(q[q0:q1], blocks, length, st, pages, use_triton).to(out.dtype)
-                continue
-            st.commit(blocks[sink_blocks: ctx // g], pages, use_triton)
-            st.write(blocks, ctx, k[q0:q1], v[q0:q1])
-            out[q0:q1] = self._attend(q[q0:q1], blocks, length, st, pages, use_triton).to(out.dtype)
-            if not self.speculative:
-                st.commit(blocks[sink_blocks: length // g], pages, use_triton)
+            logger.info("kvarn staging: %d slots, %.1f MiB per layer (reserved out of the KV budget)",
+                        self.slots, self.staging_bytes(dtype) / 2**20)
 
-    def _attend(self, q, blocks, length, st, pages, use_triton) -> torch.Tensor:
-        """q: ``[n, Hq, D]`` for the last n tokens of a sequence of ``length`` -> ``[n, Hq, D]``."""
-        cfg, g, d = self.config, self.config.tile, self.head_size
+    def _forward_kvarn(self, q, k, v, kv_cache, plan: StepPlan, out) -> None:
+        cfg, g, d, hk = self.config, self.config.tile, self.head_size, self.num_kv_heads
+        pages = kv_cache.view(torch.uint8)[:, :, 0]  # [num_blocks, Hk, record_bytes]
+        self._staging(kv_cache, k.dtype)
+        use_triton = self._use_triton(q)
+        t = plan.num_actual_tokens
+        with record_function("kvarn.stage"):  # the new tokens, rotated (fp32 products, model dtype)
+            self.stage_k.index_copy_(0, plan.write_idx, rotate(k[:t], torch.float32).to(self.stage_k.dtype))
+            self.stage_v.index_copy_(0, plan.write_idx, rotate(v[:t], torch.float32).to(self.stage_v.dtype))
+        sk = self.stage_k.view(-1, g, hk, d)  # [slots + 1, G, Hk, D]
+        sv = self.stage_v.view(-1, g, hk, d)
+        if plan.commit_blocks.numel():  # one encode call for every tile committed this step
+            with record_function("kvarn.commit"):
+                records = encode_records(sk.index_select(0, plan.commit_slots),
+                                         sv.index_select(0, plan.commit_slots), cfg, use_triton)
+                pages.index_copy_(0, plan.commit_blocks, records.to(pages.device))
+            plan.layer_committed()
+            self.tiles_committed += plan.commit_blocks.numel()
+        if plan.dec_tok.numel():
+            with record_function("kvarn.decode"):
+                self._decode(q, sk, sv, pages, plan, out, use_triton)
+        if plan.pre_tok.numel():
+            with record_function("kvarn.prefill"):
+                self._prefill(q, sk, sv, plan, out)
+        for t0, n, length, blocks in plan.extend:
+            with record_function("kvarn.extend"):
+                out[t0:t0 + n] = self._extend(q[t0:t0 + n], blocks, length, sk, sv, pages, plan).to(out.dtype)
+
+    def _decode(self, q, sk, sv, pages, plan: StepPlan, out, use_triton) -> None:
+        """One query token for each of B requests: one packed ``decode_attention`` call per group
+        of :attr:`StepPlan.dec_groups` (at most 3, rows of similar tile counts).
+
+        The ``Hq / Hk`` query heads of a KV head are passed as its query tokens (``[B, Hk, group,
+        D]``, non-causal: a decode query sees every valid key), so K/V are never repeated per head.
+        """
+        cfg, g, d, hk = self.config, self.config.tile, self.head_size, self.num_kv_heads
+        group = self.num_heads // hk
+        sb = plan.dec_sink_slots.shape[1]
+        fn = decode_attention
+        if use_triton:
+            from ...kernels import decode_attention as fn
+        for first, stop, n_max in plan.dec_groups:
+            b, rows = stop - first, slice(first, stop)
+            tok = plan.dec_tok[rows]
+            qd = q.index_select(0, tok).view(b, hk, group, d)
+            sink_k = sink_v = None
+            if sb:
+                flat = plan.dec_sink_slots[rows].reshape(-1)
+                sink_k = sk.index_select(0, flat).view(b, sb * g, hk, d).transpose(1, 2)
+                sink_v = sv.index_select(0, flat).view(b, sb * g, hk, d).transpose(1, 2)
+            tail_k = sk.index_select(0, plan.dec_tail_slot[rows]).transpose(1, 2)  # [b, Hk, G, D]
+            tail_v = sv.index_select(0, plan.dec_tail_slot[rows]).transpose(1, 2)
+            tiles = None
+            if n_max:
+                blocks = plan.dec_tile_blocks[rows, :n_max].reshape(-1)
+                rec = pages.index_select(0, blocks).view(b, n_max, hk, -1).transpose(1, 2)
+                tiles = record_field_views(rec, cfg, d)  # views [b, Hk, N, ...], no copy
+                if use_triton:
+                    tiles = tiles.map(lambda x: x.contiguous())
+            o = fn(qd, sink_k, sink_v, tiles, tail_k, tail_v, cfg, self.scale,
+                   sink_lengths=plan.dec_sink_len[rows] if sb else None,
+                   tile_counts=plan.dec_tile_counts[rows] if n_max else None,
+                   tail_lengths=plan.dec_tail_len[rows], causal=False, fp_frame="rotated")
+            out.index_copy_(0, tok, o.reshape(b, self.num_heads, d).to(out.dtype))
+
+    def _prefill(self, q, sk, sv, plan: StepPlan, out) -> None:
+        """Prompt tokens of P requests: one exact causal attention over their staged fp tokens."""
+        g, d, hk = self.config.tile, self.head_size, self.num_kv_heads
+        p, m = plan.pre_tok.shape
+        kb = plan.pre_slots.shape[1]
+        qp = rotate(q[plan.pre_tok], torch.float32).transpose(1, 2)  # [P, Hq, M, D]
+        flat = plan.pre_slots.reshape(-1)
+        kp = sk.index_select(0, flat).view(p, kb * g, hk, d).transpose(1, 2).float()  # [P, Hk, K*G, D]
+        vp = sv.index_select(0, flat).view(p, kb * g, hk, d).transpose(1, 2).float()
+        kpos = torch.arange(kb * g, device=q.device)
+        mask = (kpos[None, None, :] <= plan.pre_qpos[:, :, None])[:, None]  # [P, 1, M, K*G]
+        o = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,
+                                                             enable_gqa=True)
+        o = rotate(o.transpose(1, 2), torch.float32)  # [P, M, Hq, D], un-rotated
+        out[plan.pre_tok[plan.pre_valid]] = o[plan.pre_valid].to(out.dtype)
+
+    def _extend(self, q, blocks, length, sk, sv, pages, plan: StepPlan) -> torch.Tensor:
+        """Several new tokens of a request past its prompt: exact attention over
+        [sink fp | dequantized records | fp tail]. q: ``[n, Hq, D]`` -> ``[n, Hq, D]``."""
+        cfg, g, d, hk = self.config, self.config.tile, self.head_size, self.num_kv_heads
         n, ctx = q.shape[0], length - q.shape[0]
+        sb = cfg.sink_tokens // g
+        nt = max(0, ctx // g - sb)
+        host = blocks.cpu()
+        slots = plan.index.slots_of(host).to(sk.device)
+
+        def fp(first_block: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+            idx = slots[first_block: -(-stop // g)]
+            kk = sk.index_select(0, idx).reshape(-1, hk, d)[start - first_block * g: stop - first_block * g]
+            vv = sv.index_select(0, idx).reshape(-1, hk, d)[start - first_block * g: stop - first_block * g]
+            return kk.transpose(0, 1).float(), vv.transpose(0, 1).float()
+
         s = min(cfg.sink_tokens, length)
-        sink_blocks = cfg.sink_tokens // g
-        nt = 0
-        while sink_blocks + nt < length // g and blocks[sink_blocks + nt] in st.committed:
-            nt += 1
-        tail0 = s + nt * g
-        sink_k, sink_v = st.gather(blocks, 0, s)
-        tail_k, tail_v = st.gather(blocks, tail0, length)
-        tiles = None
+        keys, values = [], []
+        if s:
+            kk, vv = fp(0, 0, s)
+            keys.append(kk), values.append(vv)
         if nt:
-            idx = torch.tensor(blocks[sink_blocks: sink_blocks + nt], device=pages.device)
-            records = pages.index_select(0, idx).transpose(0, 1)[None].contiguous()  # [1, Hk, nt, R]
-            tiles = records_to_fields(records, cfg, d)
-        if ctx >= tail0:  # every query token is in the fp tail: packed decode path
-            fn = decode_attention
-            if use_triton:
-                from ...kernels import decode_attention as fn
-            o = fn(q.transpose(0, 1)[None], sink_k[None] if s else None, sink_v[None] if s else None,
-                   tiles, tail_k[None], tail_v[None], cfg, self.scale, causal=True, fp_frame="model")
-            return o[0].transpose(0, 1)
-        keys, values = [sink_k.float()], [sink_v.float()]
-        if tiles is not None:
-            kt, vt = decode_tiles(tiles, cfg)  # rotated: [1, Hk, nt, D, G], [1, Hk, nt, G, D]
-            keys.append(rotate(kt[0].transpose(-1, -2).reshape(self.num_kv_heads, nt * g, d)))
-            values.append(rotate(vt[0].reshape(self.num_kv_heads, nt * g, d)))
-        keys.append(tail_k.float())
-        values.append(tail_v.float())
-        return self._causal(q, torch.cat(keys, 1), torch.cat(values, 1), ctx, None)
+            rec = pages.index_select(0, blocks[sb:sb + nt].to(pages.device)).transpose(0, 1)[None]
+            kt, vt = decode_tiles(record_field_views(rec.contiguous(), cfg, d), cfg)  # [1, Hk, nt, D, G], ...
+            keys.append(kt[0].transpose(-1, -2).reshape(hk, nt * g, d))
+            values.append(vt[0].reshape(hk, nt * g, d))
+        tail0 = s + nt * g
+        if length > tail0:
+            kk, vv = fp(tail0 // g, tail0, length)
+            keys.append(kk), values.append(vv)
+        o = self._causal(rotate(q, torch.float32), torch.cat(keys, 1), torch.cat(values, 1), ctx, None)
+        return rotate(o, torch.float32)
 
     def _causal(self, q, keys, values, ctx, window) -> torch.Tensor:
         """Exact attention of ``q [n, Hq, D]`` at positions ``ctx..`` over ``keys [Hk, L, D]``."""
@@ -284,11 +375,9 @@ class KVarNAttentionImpl(AttentionImpl[KVarNMetadata]):
         mask = kpos <= qpos
         if window is not None:
             mask &= kpos > qpos - window
-        group = self.num_heads // self.num_kv_heads
-        kk = keys.float().repeat_interleave(group, 0)
-        vv = values.float().repeat_interleave(group, 0)
         o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1).float(), kk, vv, attn_mask=mask, scale=self.scale)
+            q.transpose(0, 1).float(), keys.float(), values.float(), attn_mask=mask, scale=self.scale,
+            enable_gqa=True)
         return o.transpose(0, 1)
 
     def _forward_fp(self, q, k, v, kv_cache, md, out) -> None:

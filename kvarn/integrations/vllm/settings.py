@@ -10,7 +10,8 @@ One flag selects KVarN and its preset:
 Optional keys of the ``kvarn`` entry: ``sink_tokens`` (S, a multiple of G; default one tile),
 ``sinkhorn_iters`` (T), ``quantize_sliding_window`` (default false), ``kernels`` ("auto": Triton on
 CUDA tensors and the torch reference elsewhere, logged once; or "torch" / "triton"),
-``stale_steps`` (see :mod:`.staging`).
+``staging_slots`` (full-precision staging slots per layer; default sized from the scheduler limits,
+see :func:`kvarn.integrations.vllm.staging.staging_slots`).
 """
 
 from __future__ import annotations
@@ -31,13 +32,23 @@ class VLLMSettings:
 
     config: KVarNConfig
     kernels: str = "auto"
-    stale_steps: int = 64
+    staging_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.kernels not in _KERNELS:
             raise ValueError(f"kvarn kernels={self.kernels!r}; choose one of {list(_KERNELS)}")
-        if not isinstance(self.stale_steps, int) or self.stale_steps < 2:
-            raise ValueError(f"kvarn stale_steps={self.stale_steps!r} must be an integer >= 2")
+        if self.staging_slots is not None and (not isinstance(self.staging_slots, int) or self.staging_slots < 1):
+            raise ValueError(f"kvarn staging_slots={self.staging_slots!r} must be a positive integer or absent")
+
+    def slots(self, vllm_config) -> int:
+        """Staging slots per layer: the override, or what the engine's scheduler limits need."""
+        if self.staging_slots is not None:
+            return self.staging_slots
+        from .staging import staging_slots
+
+        sched = vllm_config.scheduler_config
+        return staging_slots(self.config, sched.max_num_seqs, sched.max_num_batched_tokens,
+                             vllm_config.model_config.max_model_len)
 
 
 def kv_cache_dtype_names() -> list[str]:
@@ -54,7 +65,7 @@ def _entry(vllm_config) -> dict | None:
         return {"preset": entry}
     if not isinstance(entry, dict):
         raise TypeError(f"additional_config['kvarn'] must be a dict (or a preset name), got {type(entry).__name__}")
-    unknown = set(entry) - {"preset", "kernels", "stale_steps", *_CONFIG_KEYS}
+    unknown = set(entry) - {"preset", "kernels", "staging_slots", *_CONFIG_KEYS}
     if unknown:
         raise ValueError(f"unknown keys {sorted(unknown)} in additional_config['kvarn']")
     return entry
@@ -92,5 +103,5 @@ def settings_from_vllm_config(vllm_config) -> VLLMSettings:
     return VLLMSettings(
         config=config,
         kernels=entry.get("kernels", "auto"),
-        stale_steps=entry.get("stale_steps", VLLMSettings.stale_steps),
+        staging_slots=entry.get("staging_slots"),
     )

@@ -1,150 +1,140 @@
-"""Full-precision staging of one attention layer, keyed by vLLM block id, and tile commits.
+"""Full-precision staging of sink and unfinished tiles, sized and reserved at start-up.
 
 A vLLM block of ``G`` tokens (one tile) holds, per KV head, one KVarN record of spec section 4 in the
-paged cache. Tokens that are not in a committed record live here, in the model's frame and dtype:
+paged cache. Tokens that are not in a committed record live in a staging *slot*, in the rotated
+frame (``k' = k @ H``, computed in fp32) and the model's dtype:
 
 - the sink: the first ``S`` tokens of every sequence (``S / G`` blocks), for the sequence's life;
-- the unfinished tiles: blocks whose tokens are not all accepted yet (normally just the last one).
+- the unfinished tile of every sequence (its last block);
+- the whole prompt of a request that is still prefilling, so that the prompt's own attention is
+  exact across chunks (its full tiles are committed at its first step after the prompt).
 
-A block is *committed* (encoded once into its record, its staging slot released) when all its G
-tokens are accepted: tokens before the request's ``num_computed_tokens`` always are, and without
-speculative decoding every scheduled token is. A committed block is never re-encoded; new tokens
-written into a block (the block was freed and reused) make it uncommitted again.
+The slot table (:class:`StagingIndex`) is shared by every layer of a KV-cache group: all of them
+see the same block ids, so the table is updated once per step by the metadata builder. Each layer
+owns two tensors ``[slots + 1, G, Hk, D]`` (K and V); the last slot stays zero and stands in for
+absent blocks, so gathers never need a Python branch per request.
 
-Slot lifetime. vLLM does not tell attention backends that a request finished, so a slot is
-released when its block is committed, reused by the next writer of the block, or, once the pool
-is full, when no step has touched it for ``stale_steps`` forward passes (a running request touches
-its sink and tail slots at every step it is scheduled; finished and preempted requests never do
-again). Reading a slot that is gone raises ``RuntimeError``; it is never silently zero.
+Lifetime follows vLLM's request lifecycle: the slots of a request's blocks are released when vLLM
+reports it finished or preempted (the model runner's ``finished_req_ids`` / ``preempted_req_ids``,
+see :mod:`.hooks`), and a block's slot is released when the block is committed into its record.
 
-Memory: ``2 * slots * Hk * G * D * itemsize`` bytes per layer, outside vLLM's KV cache budget
-(the engine's reported capacity counts the paged records only). The pool starts small and doubles.
+Budget: the pool has a fixed size, :func:`staging_slots`, reserved out of vLLM's KV-cache memory
+at start-up (:mod:`.hooks` subtracts :func:`staging_bytes` of every KVarN layer from the memory the
+worker reports), so the capacity vLLM logs is what is really left for records. Running out of
+slots raises ``RuntimeError`` naming the ``staging_slots`` override; it never overwrites data.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from ...codec import encode_tiles, fields_to_records, kv_to_tiles, rotate_kv
+from ...codec import encode_tiles, fields_to_records
 from ...config import KVarNConfig
 
-logger = logging.getLogger(__name__)
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def staging_slots(config: KVarNConfig, max_num_seqs: int, max_num_batched_tokens: int,
+                  max_model_len: int) -> int:
+    """Slots one layer needs so that any schedule vLLM can form fits.
+
+    Every running sequence holds its sink blocks and one unfinished tile (``S/G + 1``); the prompts
+    prefilled in one step add at most ``max_num_batched_tokens / G`` full tiles beyond those, and a
+    prompt prefilled in chunks across steps (the scheduler carries at most one) holds up to
+    ``max_model_len / G`` tiles until it completes.
+    """
+    g = config.tile
+    return (max_num_seqs * (config.sink_tokens // g + 1) + _cdiv(max_num_batched_tokens, g)
+            + _cdiv(max_model_len, g))
+
+
+def staging_bytes(slots: int, config: KVarNConfig, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype) -> int:
+    """Bytes of one layer's K and V staging: ``2 * (slots + 1) * G * Hk * D * itemsize``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * (slots + 1) * config.tile * num_kv_heads * head_dim * itemsize
 
 
 def encode_records(k: torch.Tensor, v: torch.Tensor, config: KVarNConfig, use_triton: bool) -> torch.Tensor:
-    """Full tiles in the model frame ``[n, Hk, G, D]`` -> uint8 records ``[n, Hk, record_bytes]``."""
-    n, hk, g, d = k.shape
-    kt, vt = kv_to_tiles(rotate_kv(k, config), rotate_kv(v, config), g)  # [n, Hk, 1, D, G], [n, Hk, 1, G, D]
-    kt, vt = kt[:, :, 0], vt[:, :, 0]
+    """Full rotated tiles ``[n, G, Hk, D]`` (staging layout) -> uint8 records ``[n, Hk, record_bytes]``."""
+    d = k.shape[-1]
+    kt = k.permute(0, 2, 3, 1).float()  # [n, Hk, D, G]
+    vt = v.permute(0, 2, 1, 3).float()  # [n, Hk, G, D]
     if use_triton:
         from ...kernels import encode_tiles as triton_encode_tiles
 
-        fields = triton_encode_tiles(kt, vt, config)
+        fields = triton_encode_tiles(kt.contiguous(), vt.contiguous(), config)
     else:
         fields = encode_tiles(kt, vt, config)
     return fields_to_records(fields, config, d)
 
 
-class LayerStaging:
-    """Staging slots ``[slots, Hk, G, D]`` for K and V plus the committed-block set of one layer."""
+class StagingIndex:
+    """Slot table of one KV-cache group: block id -> staging slot, and which blocks are committed.
 
-    def __init__(self, config: KVarNConfig, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, stale_steps: int, initial_slots: int = 8):
-        self.config, self.tile = config, config.tile
-        self.shape = (num_kv_heads, config.tile, head_dim)
-        self.k = torch.zeros(initial_slots, *self.shape, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.slot_of: dict[int, int] = {}
-        self.block_of: list[int | None] = [None] * initial_slots
-        self.last_used = [0] * initial_slots
-        self.free = list(range(initial_slots - 1, -1, -1))
-        self.committed: set[int] = set()
-        self.stale_steps = stale_steps
-        self.step = 0
+    Host-side tensors, indexed by block id (grown on demand). ``slots`` usable slots; slot
+    ``slots`` is the zero slot.
+    """
 
-    # slots --------------------------------------------------------------------------------------
-    def begin_step(self) -> None:
-        self.step += 1
+    def __init__(self, slots: int, num_blocks: int = 0):
+        self.slots = slots
+        self.zero_slot = slots
+        self.block_to_slot = torch.full((max(num_blocks, 1),), -1, dtype=torch.int64)
+        self.committed = torch.zeros(max(num_blocks, 1), dtype=torch.bool)
+        self.free = list(range(slots - 1, -1, -1))
 
-    def _release(self, slot: int) -> None:
-        block = self.block_of[slot]
-        if block is not None:
-            del self.slot_of[block]
-        self.block_of[slot] = None
-        self.free.append(slot)
+    @property
+    def used(self) -> int:
+        return self.slots - len(self.free)
 
-    def _allocate(self) -> int:
-        if not self.free:
-            for slot, block in enumerate(self.block_of):
-                if block is not None and self.step - self.last_used[slot] >= self.stale_steps:
-                    self._release(slot)
-        if not self.free:
-            old = self.k.shape[0]
-            self.k = torch.cat([self.k, torch.zeros_like(self.k)])
-            self.v = torch.cat([self.v, torch.zeros_like(self.v)])
-            self.block_of += [None] * old
-            self.last_used += [0] * old
-            self.free = list(range(2 * old - 1, old - 1, -1))
-            logger.info("kvarn staging grew to %d slots (%.1f MiB per layer)", 2 * old,
-                        2 * self.k.numel() * self.k.element_size() / 2**20)
-        return self.free.pop()
-
-    def _slot(self, block: int, create: bool) -> int:
-        slot = self.slot_of.get(block)
-        if slot is None:
-            if not create:
-                raise RuntimeError(
-                    f"kvarn: the full-precision tokens of KV block {block} are no longer staged "
-                    "(a request was not scheduled for more than stale_steps steps); raise "
-                    "additional_config['kvarn']['stale_steps']"
-                )
-            slot = self._allocate()
-            self.slot_of[block] = slot
-            self.block_of[slot] = block
-        self.last_used[slot] = self.step
-        return slot
-
-    # tokens -------------------------------------------------------------------------------------
-    def write(self, blocks: list[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stage tokens ``start .. start+n-1`` of a request. k, v: ``[n, Hk, D]``; blocks: its block row."""
-        g, pos, n = self.tile, start, k.shape[0]
-        while pos < start + n:
-            b, off = blocks[pos // g], pos % g
-            m = min(g - off, start + n - pos)
-            slot = self._slot(b, create=True)
-            self.committed.discard(b)
-            i = pos - start
-            self.k[slot, :, off:off + m] = k[i:i + m].transpose(0, 1)
-            self.v[slot, :, off:off + m] = v[i:i + m].transpose(0, 1)
-            pos += m
-
-    def gather(self, blocks: list[int], start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Staged tokens ``start .. stop-1`` of a request -> K, V ``[Hk, stop-start, D]``."""
-        g = self.tile
-        if stop <= start:
-            empty = self.k.new_zeros(self.shape[0], 0, self.shape[2])
-            return empty, empty
-        first, last = start // g, (stop - 1) // g
-        slots = [self._slot(blocks[i], create=False) for i in range(first, last + 1)]
-        idx = torch.tensor(slots, device=self.k.device)
-        hk, _, d = self.shape
-        k = self.k.index_select(0, idx).transpose(0, 1).reshape(hk, -1, d)
-        v = self.v.index_select(0, idx).transpose(0, 1).reshape(hk, -1, d)
-        lo = start - first * g
-        return k[:, lo:lo + stop - start], v[:, lo:lo + stop - start]
-
-    # commits ------------------------------------------------------------------------------------
-    def commit(self, blocks: list[int], pages: torch.Tensor, use_triton: bool) -> None:
-        """Encode the staged full tiles of ``blocks`` into ``pages[block]`` (uint8 ``[nb, Hk, R]``)."""
-        todo = [b for b in dict.fromkeys(blocks) if b not in self.committed]
-        if not todo:
+    def reserve_blocks(self, max_block: int) -> None:
+        """Grow the per-block tables to cover block ids ``<= max_block``."""
+        n = self.block_to_slot.shape[0]
+        if max_block < n:
             return
-        slots = [self._slot(b, create=False) for b in todo]
-        idx = torch.tensor(slots, device=self.k.device)
-        records = encode_records(self.k.index_select(0, idx), self.v.index_select(0, idx), self.config, use_triton)
-        pages[torch.tensor(todo, device=pages.device)] = records.to(pages.device)
-        for b, slot in zip(todo, slots):
-            self._release(slot)
-            self.committed.add(b)
+        grow = max(max_block + 1, 2 * n) - n
+        self.block_to_slot = torch.cat([self.block_to_slot, torch.full((grow,), -1, dtype=torch.int64)])
+        self.committed = torch.cat([self.committed, torch.zeros(grow, dtype=torch.bool)])
+
+    def release(self, blocks: torch.Tensor) -> None:
+        """The blocks left their request (finished, preempted) or were committed: free their slots.
+
+        A released block is no longer committed: its next owner writes it from the start.
+        """
+        blocks = torch.as_tensor(blocks, dtype=torch.int64).reshape(-1)
+        if not blocks.numel():
+            return
+        self.reserve_blocks(int(blocks.max()))
+        slots = self.block_to_slot[blocks]
+        held = slots >= 0
+        self.free.extend(torch.unique(slots[held]).tolist())
+        self.block_to_slot[blocks] = -1
+        self.committed[blocks] = False
+
+    def release_slots_of(self, blocks: torch.Tensor) -> None:
+        """Free the slots of committed blocks (their records hold the tokens now)."""
+        slots = self.block_to_slot[blocks]
+        self.free.extend(slots[slots >= 0].tolist())
+        self.block_to_slot[blocks] = -1
+
+    def allocate(self, blocks: torch.Tensor) -> None:
+        """Give every block of ``blocks`` (unique ids) that has no slot one."""
+        self.reserve_blocks(int(blocks.max()) if blocks.numel() else 0)
+        need = blocks[self.block_to_slot[blocks] < 0]
+        if need.numel() > len(self.free):
+            raise RuntimeError(
+                f"kvarn: the full-precision staging pool is exhausted ({self.slots} slots per layer, "
+                f"{need.numel()} more needed); it is sized from max_num_seqs, max_num_batched_tokens "
+                "and max_model_len at start-up. Raise additional_config['kvarn']['staging_slots']"
+            )
+        if need.numel():
+            taken = [self.free.pop() for _ in range(need.numel())]
+            self.block_to_slot[need] = torch.tensor(taken, dtype=torch.int64)
+            self.committed[need] = False
+
+    def slots_of(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Slot of each block id (any shape); blocks without one map to the zero slot."""
+        s = self.block_to_slot[blocks]
+        return torch.where(s >= 0, s, torch.full_like(s, self.zero_slot))

@@ -1,0 +1,106 @@
+"""Two hooks into vLLM 0.32's worker process that the attention-backend API does not offer.
+
+1. **Budget.** The worker's ``determine_available_memory`` (the bytes vLLM sizes its KV block pool
+   from) is reduced by the staging every KVarN layer allocates at its first step
+   (:meth:`KVarNAttentionImpl.staging_bytes`). The staging is allocated after this call, so it is
+   counted once, and the capacity vLLM logs is what really remains for the paged records.
+2. **Lifecycle.** ``GPUModelRunner._update_states`` (the CPU runner inherits it) receives the
+   scheduler's ``finished_req_ids`` and ``preempted_req_ids``; before the runner forgets those
+   requests, their block ids are handed to every KVarN metadata builder, which frees their staging
+   slots. (vLLM frees the blocks themselves on its side; a block may be reallocated in the same
+   step, and the release runs before that step's metadata is built.)
+
+:func:`install_hooks` patches the classes once per process (idempotent, like the plugin).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def _kvarn_impls(vllm_config):
+    from .backend import KVarNAttentionImpl
+
+    layers = vllm_config.compilation_config.static_forward_context
+    for layer in layers.values():
+        impl = getattr(layer, "impl", None)
+        if isinstance(impl, KVarNAttentionImpl):
+            yield layer, impl
+
+
+def staging_reserve_bytes(vllm_config, dtype) -> int:
+    """Bytes of fp staging all KVarN layers of this worker will allocate."""
+    return sum(impl.staging_bytes(dtype) for _, impl in _kvarn_impls(vllm_config))
+
+
+def _patch_budget(worker_cls) -> None:
+    original = worker_cls.determine_available_memory
+    if getattr(original, "_kvarn", False):
+        return
+
+    @functools.wraps(original)
+    def determine_available_memory(self) -> int:
+        available = original(self)
+        self.kvarn_kv_budget_bytes = available  # what vLLM granted, for capacity checks
+        reserve = staging_reserve_bytes(self.vllm_config, self.model_config.dtype)
+        if reserve:
+            if reserve >= available:
+                raise ValueError(
+                    f"kvarn: the fp staging ({reserve / 2**20:.0f} MiB for max_num_seqs="
+                    f"{self.vllm_config.scheduler_config.max_num_seqs}) does not fit in the KV cache budget "
+                    f"({available / 2**20:.0f} MiB); lower max_num_seqs or raise the KV cache memory")
+            logger.info("kvarn: %.1f MiB of the %.1f MiB KV budget reserved for fp sink/tail staging",
+                        reserve / 2**20, available / 2**20)
+        return available - reserve
+
+    determine_available_memory._kvarn = True
+    worker_cls.determine_available_memory = determine_available_memory
+
+
+def _kvarn_builders(runner):
+    from .backend import KVarNMetadataBuilder
+
+    for groups in getattr(runner, "attn_groups", []) or []:
+        for group in groups:
+            for builder in group.metadata_builders:
+                if isinstance(builder, KVarNMetadataBuilder) and builder.index is not None:
+                    yield group.kv_cache_group_id, builder
+
+
+def _patch_lifecycle(runner_cls) -> None:
+    original = runner_cls._update_states
+    if getattr(original, "_kvarn", False):
+        return
+
+    @functools.wraps(original)
+    def _update_states(self, scheduler_output):
+        builders = list(_kvarn_builders(self))
+        if builders:
+            gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+            for req_id in gone:
+                state = self.requests.get(req_id)
+                if state is None:
+                    continue
+                for group_id, builder in builders:
+                    builder.release_blocks(state.block_ids[group_id])
+        return original(self, scheduler_output)
+
+    _update_states._kvarn = True
+    runner_cls._update_states = _update_states
+
+
+def install_hooks(vllm_config) -> None:
+    """Patch the worker class of this engine and the v1 model runner (once per process)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _patch_lifecycle(GPUModelRunner)
+    path = getattr(vllm_config.parallel_config, "worker_cls", None)
+    if isinstance(path, str) and "." in path:
+        module, name = path.rsplit(".", 1)
+        _patch_budget(getattr(importlib.import_module(module), name))
+    else:
+        logger.warning("kvarn: unknown worker class %r; fp staging is not reserved out of the KV budget", path)

@@ -1,0 +1,209 @@
+"""One step's work for every KVarN layer of a KV-cache group, built once per step as tensors.
+
+Per request (``ctx`` cached tokens, ``n`` new ones, ``L = ctx + n``, ``sb = S / G`` sink blocks):
+
+1. **Commit** (before attention, one encode call per layer): a request past its prompt has every
+   full tile in ``[sb, ctx // G)`` accepted; the ones not committed yet (tiles completed by the
+   previous step, or a prompt that just finished) are encoded into their records. Deferring the
+   commit of a tile completed at step t to the start of step t+1 changes nothing that is read:
+   step t attends to it in fp either way, step t+1 reads the record. Tokens of a request that is
+   still prefilling are never committed, so the prompt's own attention stays exact across chunks.
+2. **Stage** every new token (rotated) at ``slot * G + offset`` of the flattened staging.
+3. **Attention**, by kind of request:
+   - *decode* (past its prompt, one new token): one batched ``decode_attention`` call over
+     [sink fp | records | tail fp], with tile tables, lengths and slots as ``[B, ...]`` tensors;
+   - *prefill* (prompt tokens in this step): one batched exact causal attention over the staged
+     fp tokens (a prefilling request has no committed tile);
+   - *extend* (past its prompt, several new tokens: speculative verification, a preempted request
+     recomputed in chunks): exact attention over [sink fp | dequantized records | fp], per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .staging import StagingIndex
+
+
+@dataclass
+class StepPlan:
+    """Index tensors of one step (host tensors; moved to the cache's device by the backend)."""
+
+    num_actual_tokens: int
+    write_idx: torch.Tensor  # [T] rows of the flattened staging [(slots + 1) * G, Hk, D]
+    commit_blocks: torch.Tensor  # [C] blocks encoded into records before attention
+    commit_slots: torch.Tensor  # [C]
+    # decode: B requests, one query token each
+    dec_tok: torch.Tensor  # [B] query token index
+    dec_sink_slots: torch.Tensor  # [B, sb]
+    dec_sink_len: torch.Tensor  # [B]
+    dec_tile_blocks: torch.Tensor  # [B, N] record blocks (padded with a committed block)
+    dec_tile_counts: torch.Tensor  # [B]
+    dec_tail_slot: torch.Tensor  # [B]
+    dec_tail_len: torch.Tensor  # [B]
+    dec_groups: list[tuple[int, int, int]]  # (first, stop, tiles): rows sorted by tile count, one call each
+    # prefill: P requests, up to M query tokens each
+    pre_tok: torch.Tensor  # [P, M] query token index (0 where padded)
+    pre_valid: torch.Tensor  # [P, M]
+    pre_qpos: torch.Tensor  # [P, M] position of each query token
+    pre_slots: torch.Tensor  # [P, K] staging slots of blocks 0..K-1 (zero slot where absent)
+    # extend: (first token, number of tokens, length, block row) per request
+    extend: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
+    layers_left: int = 0  # layers that still have to encode commit_blocks this step
+    index: StagingIndex | None = None  # host-side; the slot table these indices came from
+    host_commit_blocks: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> "StepPlan":
+        if device.type == "cpu":
+            return self
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and not k.startswith("host_")
+                     else v) for k, v in self.__dict__.items()}
+        return StepPlan(**moved)
+
+    def layer_committed(self) -> None:
+        """A layer encoded ``commit_blocks``; after the last one their staging slots are free."""
+        self.layers_left -= 1
+        if self.layers_left == 0 and self.index is not None:
+            self.index.release_slots_of(self.host_commit_blocks)
+
+
+def _empty(*shape: int) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.int64)
+
+
+MAX_DECODE_CALLS = 3
+CALL_COST = 4  # fixed cost of one decode call, in units of one request's tile (measured on CPU: a few ms)
+
+
+def decode_groups(tiles: list[int], sink_blocks: int, max_calls: int = MAX_DECODE_CALLS) -> list[tuple[int, int, int]]:
+    """Split decode rows (sorted by tile count) into at most ``max_calls`` contiguous groups.
+
+    One batched call pads every row to the group's largest tile count; with prompts of 75 to 900
+    tokens a single call would dequantize about 2.5x the tiles that exist. The split minimises
+    ``sum(rows * (max tiles + sink and tail blocks)) + CALL_COST * calls`` over the distinct counts.
+    Returns ``(first row, stop row, tiles)`` per group.
+    """
+    if not tiles:
+        return []
+    values = sorted(set(tiles))
+    stops = [sum(1 for t in tiles if t <= v) for v in values]  # rows up to each distinct value
+    fixed = sink_blocks + 1
+
+    def cost(i: int, j: int) -> int:  # values[i..j] in one call
+        rows = stops[j] - (stops[i - 1] if i else 0)
+        return rows * (values[j] + fixed) + CALL_COST
+
+    m = len(values)
+    best = {(0, j): (cost(0, j), [j]) for j in range(m)}  # (calls - 1, last value) -> (cost, ends)
+    for k in range(1, max_calls):
+        for j in range(m):
+            for i in range(j):
+                prev = best.get((k - 1, i))
+                if prev is not None:
+                    c = prev[0] + cost(i + 1, j)
+                    if (k, j) not in best or c < best[(k, j)][0]:
+                        best[(k, j)] = (c, prev[1] + [j])
+    _, ends = min((best[(k, m - 1)] for k in range(max_calls) if (k, m - 1) in best), key=lambda x: x[0])
+    groups, first = [], 0
+    for j in ends:
+        groups.append((first, stops[j], values[j]))
+        first = stops[j]
+    return groups
+
+
+def build_plan(index: StagingIndex, tile: int, sink_tokens: int, query_start_loc: torch.Tensor,
+               seq_lens: torch.Tensor, block_table: torch.Tensor, prefilling: torch.Tensor,
+               slot_mapping: torch.Tensor, num_actual_tokens: int, num_layers: int) -> StepPlan:
+    """Update ``index`` for this step and return its plan. All inputs are host tensors.
+
+    query_start_loc: ``[R + 1]``; seq_lens, prefilling: ``[R]``; block_table: ``[R, max_blocks]``;
+    slot_mapping: ``[>= T]`` (``block * G + offset`` per new token).
+    """
+    g, sb = tile, sink_tokens // tile
+    qsl = query_start_loc.long()
+    n = qsl[1:] - qsl[:-1]
+    length = seq_lens.long()
+    ctx = length - n
+    bt = block_table.long()
+    active = n > 0
+    past_prompt = active & ~prefilling.bool()
+    r_count, width = bt.shape
+    if r_count and bt.numel():
+        index.reserve_blocks(int(bt.max()))
+    col = torch.arange(width)[None, :]
+    in_seq = col * g < length[:, None]  # block j holds tokens of the request
+
+    # 1. commits: full accepted tiles after the sink of requests past their prompt
+    want = past_prompt[:, None] & (col >= sb) & (col < (ctx // g)[:, None])
+    blocks = torch.unique(bt[want])
+    commit_blocks = blocks[~index.committed[blocks]]
+    commit_slots = index.block_to_slot[commit_blocks]
+    if bool((commit_slots < 0).any()):
+        lost = commit_blocks[commit_slots < 0].tolist()
+        raise RuntimeError(f"kvarn: the staged tokens of KV blocks {lost} are gone before their commit")
+    index.committed[commit_blocks] = True
+
+    # 2. staging rows of the new tokens
+    sm = slot_mapping[:num_actual_tokens].long()
+    tok_block, tok_off = sm // g, sm % g
+    index.allocate(torch.unique(tok_block))
+    write_idx = index.block_to_slot[tok_block] * g + tok_off
+
+    # 3a. decode requests, sorted by their number of committed tiles
+    dec = torch.nonzero(past_prompt & (n == 1)).flatten()
+    tiles = (ctx[dec] // g - sb).clamp_min(0)
+    order = torch.argsort(tiles, stable=True)
+    dec, tiles = dec[order], tiles[order]
+    b_len, b_ctx = length[dec], ctx[dec]
+    tail0 = torch.where(b_len > sink_tokens, sb * g + tiles * g, b_len)
+    n_max = int(tiles.max()) if dec.numel() else 0
+    if sb:
+        sink_blocks = bt[dec, :sb]
+        sink_slots = torch.where(in_seq[dec, :sb], index.slots_of(sink_blocks), index.zero_slot)
+    else:
+        sink_slots = _empty(dec.numel(), 0)
+    if n_max:
+        tcol = torch.arange(n_max)[None, :]
+        tile_blocks = bt[dec, sb:sb + n_max]
+        pad = tile_blocks[tiles > 0][:, 0][0]  # a committed block: padding stays finite
+        tile_blocks = torch.where(tcol < tiles[:, None], tile_blocks, pad)
+        if not bool(index.committed[tile_blocks].all()):
+            raise RuntimeError("kvarn: a decode step would read a tile that is not committed")
+    else:
+        tile_blocks = _empty(dec.numel(), 0)
+    tail_len = b_len - tail0
+    tail_col = (tail0 // g).clamp_max(width - 1)
+    tail_slot = torch.where(tail_len > 0, index.slots_of(bt[dec, tail_col]), index.zero_slot)
+
+    # 3b. prefill requests
+    pre = torch.nonzero(active & prefilling.bool()).flatten()
+    if pre.numel():
+        if bool((index.committed[bt[pre]] & in_seq[pre]).any()):
+            raise RuntimeError("kvarn: a prefilling request reads a committed tile")
+        m = int(n[pre].max())
+        qcol = torch.arange(m)[None, :]
+        pre_valid = qcol < n[pre][:, None]
+        pre_tok = torch.where(pre_valid, qsl[pre][:, None] + qcol, 0)
+        pre_qpos = ctx[pre][:, None] + qcol
+        k_blocks = int(((length[pre] + g - 1) // g).max())
+        pre_slots = torch.where(in_seq[pre, :k_blocks], index.slots_of(bt[pre, :k_blocks]), index.zero_slot)
+    else:
+        pre_tok = pre_valid = pre_qpos = pre_slots = _empty(0, 0)
+        pre_valid = pre_valid.bool()
+
+    # 3c. extend requests (rare): per request
+    ext = torch.nonzero(past_prompt & (n > 1)).flatten().tolist()
+    extend = [(int(qsl[r]), int(n[r]), int(length[r]), bt[r, : -(-int(length[r]) // g)]) for r in ext]
+
+    return StepPlan(
+        num_actual_tokens=num_actual_tokens, write_idx=write_idx,
+        commit_blocks=commit_blocks, commit_slots=commit_slots,
+        dec_tok=qsl[dec], dec_sink_slots=sink_slots, dec_sink_len=b_len.clamp_max(sink_tokens),
+        dec_tile_blocks=tile_blocks, dec_tile_counts=tiles, dec_tail_slot=tail_slot, dec_tail_len=tail_len,
+        dec_groups=decode_groups(tiles.tolist(), sb),
+        pre_tok=pre_tok, pre_valid=pre_valid, pre_qpos=pre_qpos, pre_slots=pre_slots,
+        extend=extend, layers_left=num_layers if commit_blocks.numel() else 0,
+        index=index, host_commit_blocks=commit_blocks,
+    )
