@@ -1,0 +1,71 @@
+"""kvarn-auto inside ``model.generate`` on SmolLM2 (short prompts, small tiles)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kvarn.cache import KVarNCache  # noqa: E402
+from kvarn.cache.auto import KVarNAutoLayer  # noqa: E402
+
+G = S = 32
+SMALL = dict(tile=G, sink_tokens=S)
+LONG = ("A farmer has 17 sheep. All but 9 run away, then he buys twice as many as he has left. "
+        "How many sheep does he have now? Explain each step of the reasoning carefully, then give the number. ") * 2
+SHORT = "The capital of France is"
+
+
+def _generate(model, tok, texts, cache, n=6):
+    inputs = tok(texts, return_tensors="pt", padding=True, padding_side="left")
+    with torch.no_grad():
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=tok.pad_token_id)
+    return inputs, out[:, inputs["input_ids"].shape[1]:]
+
+
+def test_decides_from_the_prompt_and_reports(smollm2):
+    model, tok = smollm2
+    before = model.config._attn_implementation
+    cache = KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL)
+    inputs, out = _generate(model, tok, [LONG], cache)
+    assert out.shape == (1, 6)
+    assert model.config._attn_implementation == before  # the capture is undone after the prefill
+    flavours = cache.flavours()
+    assert len(flavours) == 30 and all(f is not None and f[0]["decided"] for f in flavours.values())
+    assert flavours[0][0]["prompt_tokens"] == inputs["input_ids"].shape[1]
+    report = cache.memory_report()
+    assert report["flavours"] == flavours and report["method"] == "kvarn-auto"
+    layer = cache.layers[0]
+    assert isinstance(layer, KVarNAutoLayer)
+    assert torch.equal(layer.store.flavours.key_rotate.cpu(), layer.decision.flavours.key_rotate)
+    # the spec's record size, whatever the flavour
+    assert layer.store.bytes_per_tile_head() == cache.config.record_bytes(64)
+    names = {n for f in flavours.values() for n in f[0]["heads"]}
+    assert len(names) > 1  # SmolLM2's heads do not all choose the same
+
+
+def test_left_padded_rows_decide_alone_and_short_prompts_fall_back(smollm2):
+    model, tok = smollm2
+    cache = KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL)
+    inputs, out = _generate(model, tok, [SHORT, LONG], cache)
+    real = inputs["attention_mask"].sum(1).tolist()
+    assert real[0] < S + G <= real[1]
+    for f in cache.flavours().values():
+        assert [r["decided"] for r in f] == [False, True]
+        assert f[0]["heads"] == ["kvarn"] * 3  # the fallback: the spec's method on every head
+        assert f[1]["prompt_tokens"] == real[1]
+    alone = KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL)
+    _generate(model, tok, [SHORT], alone)
+    assert all(f[0]["decided"] is False for f in alone.flavours().values())
+
+
+def test_bad_construction(smollm2):
+    model, _ = smollm2
+    with pytest.raises(ValueError, match="needs the model itself"):
+        KVarNCache(model.config, "kvarn-auto")
+    with pytest.raises(ValueError, match="only meaningful for method 'kvarn-auto'"):
+        from kvarn.auto import AutoSettings
+
+        KVarNCache(model, "kvarn", auto=AutoSettings())
