@@ -69,3 +69,16 @@ def test_bad_construction(smollm2):
         from kvarn.auto import AutoSettings
 
         KVarNCache(model, "kvarn", auto=AutoSettings())
+
+
+def test_decoded_cache_reads_the_same_tiles(smollm2):
+    model, tok = smollm2
+    _, plain = _generate(model, tok, [LONG], KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL), n=4)
+    c = KVarNCache(model, "kvarn-auto", "k2v2_g128", decoded_cache=True, **SMALL)
+    _, fast = _generate(model, tok, [LONG], c, n=4)
+    assert torch.equal(plain, fast)
+    k_stored, _ = c.layers[3].store.decode()
+    assert c.layers[3].store.decoded_cache and k_stored.abs().sum() > 0
+    c.layers[3].store.decoded_cache = False
+    k_redecoded, _ = c.layers[3].store.decode()  # from the packed fields with the layer's flavours
+    torch.testing.assert_close(k_stored, k_redecoded)
