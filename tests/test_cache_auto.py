@@ -82,3 +82,16 @@ def test_decoded_cache_reads_the_same_tiles(smollm2):
     c.layers[3].store.decoded_cache = False
     k_redecoded, _ = c.layers[3].store.decode()  # from the packed fields with the layer's flavours
     torch.testing.assert_close(k_stored, k_redecoded)
+
+
+def test_beam_search_reorders_the_flavours(smollm2):
+    model, tok = smollm2
+    cache = KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL)
+    inputs = tok([SHORT, LONG], return_tensors="pt", padding=True, padding_side="left")
+    with torch.no_grad():
+        model.generate(**inputs, past_key_values=cache, max_new_tokens=3, num_beams=2, do_sample=False,
+                       pad_token_id=tok.pad_token_id)
+    for i, f in cache.flavours().items():
+        assert [r["decided"] for r in f] == [False, False, True, True]  # beams follow their row
+        layer = cache.layers[i]
+        assert torch.equal(layer.store.flavours.key_rotate.cpu(), layer.decision.flavours.key_rotate)

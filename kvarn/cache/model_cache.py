@@ -45,6 +45,7 @@ count 4 bytes per element), and sliding-window layers as transformers holds them
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from dataclasses import replace, fields as dc_fields
@@ -243,16 +244,13 @@ class KVarNCache(Cache):
             return
         self.config = _make_config(preset, overrides)
         self.codec = TileCodec(self.method, self.config)
+        layer_cls = KVarNLayer
         if self.method.name == "kvarn-auto":
-            settings = auto or AutoSettings()
-            KVarNLayer_ = lambda codec, padding, is_sliding=False, decoded_cache=False: KVarNAutoLayer(  # noqa: E731
-                codec, padding, is_sliding, decoded_cache, settings)
-        else:
-            KVarNLayer_ = KVarNLayer
+            layer_cls = functools.partial(KVarNAutoLayer, settings=auto or AutoSettings())
         if attention_mask is not None:
             self._padding.pads = pads_from_mask(attention_mask)
         if model_or_config is None:
-            super().__init__(layer_class_to_replicate=lambda: KVarNLayer_(self.codec, self._padding,
+            super().__init__(layer_class_to_replicate=lambda: layer_cls(self.codec, self._padding,
                                                                          decoded_cache=decoded_cache))
             return
         text = _text_config(model_or_config)
@@ -261,7 +259,7 @@ class KVarNCache(Cache):
             if kind in SLIDING_TYPES and not self.config.quantize_sliding_window:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=window))
             else:
-                layers.append(KVarNLayer_(self.codec, self._padding, is_sliding=kind in SLIDING_TYPES,
+                layers.append(layer_cls(self.codec, self._padding, is_sliding=kind in SLIDING_TYPES,
                                          decoded_cache=decoded_cache))
         head_dim = getattr(text, "head_dim", None)
         if head_dim is None and getattr(text, "num_attention_heads", None):
