@@ -13,23 +13,23 @@ CFG = KVarNConfig(key_bits=2, value_bits=2, tile=32, sink_tokens=32)
 D = 64
 
 
-def _aligned_case(query_on_high_variance: bool, t: int = 32 + 4 * 32, hq: int = 2, seed: int = 0):
-    """One KV head whose keys vary a lot on 4 channels and little on the other 60.
+def _aligned_case(query_on_high_variance: bool, t: int = 32 + 4 * 32, hq: int = 2, seed: int = 0, high: int = 4):
+    """One KV head whose keys vary a lot on ``high`` channels and little on the others.
 
     The queries put their energy on the high-variance channels or on the low-variance ones.
     """
     g = torch.Generator().manual_seed(seed)
     std = torch.full((D,), 0.05)
-    std[:4] = 8.0
+    std[:high] = 8.0
     mean = torch.zeros(D)
-    mean[4:] = 3.0  # low-variance channels carry a large constant part, as k-normed keys do
+    mean[high:] = 3.0  # low-variance channels carry a large constant part, as k-normed keys do
     keys = mean + std * torch.randn(1, t, D, generator=g)
     values = torch.randn(1, t, D, generator=g)
     energy = torch.zeros(D)
     if query_on_high_variance:
-        energy[:4] = 1.0
+        energy[:high] = 1.0
     else:
-        energy[4:] = 1.0
+        energy[high:] = 1.0
     query = energy * torch.randn(hq, t, D, generator=g)
     return query, keys, values
 
@@ -38,13 +38,15 @@ def test_low_variance_alignment_picks_unrotated_keys():
     q, k, v = _aligned_case(query_on_high_variance=False)
     for rule in ("a2", "a3"):
         d = decide_row(q, k, v, CFG, AutoSettings(rule=rule))
-        assert d.decided and not bool(d.key_rotate[0])
+        assert d.decided and not bool(d.key_rotate[0]), rule
         rot, unrot = d.key_logit_error[0, 0], d.key_logit_error[0, 1]
         assert rot > 1.5 * unrot  # the rotation spreads the large channels' error where queries look
 
 
 def test_high_variance_alignment_picks_rotated_keys():
-    q, k, v = _aligned_case(query_on_high_variance=True)
+    # Queries on 8 high-variance channels: per-channel error concentrates where they look unless the
+    # rotation spreads it (with only one or two such channels it does not win in this construction).
+    q, k, v = _aligned_case(query_on_high_variance=True, high=8)
     d = decide_row(q, k, v, CFG, AutoSettings(rule="a2"))
     assert d.decided and bool(d.key_rotate[0]) and bool(d.key_normalize[0])
     assert d.key_logit_error[0, 0] < d.key_logit_error[0, 1]
@@ -52,7 +54,7 @@ def test_high_variance_alignment_picks_rotated_keys():
 
 def test_correlation_sign_follows_the_alignment():
     low = decide_row(*_aligned_case(False), CFG)
-    high = decide_row(*_aligned_case(True), CFG)
+    high = decide_row(*_aligned_case(True, high=8), CFG)
     assert low.variance_energy_corr[0] < -0.5 < 0.5 < high.variance_energy_corr[0]
 
 
