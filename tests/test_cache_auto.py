@@ -42,6 +42,9 @@ def test_decides_from_the_prompt_and_reports(smollm2):
     assert torch.equal(layer.store.flavours.key_rotate.cpu(), layer.decision.flavours.key_rotate)
     # the spec's record size, whatever the flavour
     assert layer.store.bytes_per_tile_head() == cache.config.record_bytes(64)
+    view = layer.view()  # what a fused reader gets: the frames of the stored tiles
+    assert torch.equal(view.key_rotated, layer.store.flavours.key_rotate)
+    assert torch.equal(view.value_rotated, layer.store.flavours.value_rotate)
     names = {n for f in flavours.values() for n in f[0]["heads"]}
     assert len(names) > 1  # SmolLM2's heads do not all choose the same
 
@@ -95,3 +98,26 @@ def test_beam_search_reorders_the_flavours(smollm2):
         assert [r["decided"] for r in f] == [False, False, True, True]  # beams follow their row
         layer = cache.layers[i]
         assert torch.equal(layer.store.flavours.key_rotate.cpu(), layer.decision.flavours.key_rotate)
+
+
+def test_decode_twin_reads_the_layer_view_like_the_cache(smollm2):
+    from kvarn.attention import decode_attention
+
+    model, tok = smollm2
+    cache = KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL)
+    _generate(model, tok, [LONG], cache, n=4)
+    checked = 0
+    for layer in cache.layers[:6]:
+        v = layer.view()
+        if bool(v.key_rotated.all()) and bool(v.value_rotated.all()):
+            continue  # only layers with some heads in the model frame test the flags
+        checked += 1
+        q = torch.randn(1, 9, 1, 64, generator=torch.Generator().manual_seed(layer.tile))
+        out = decode_attention(q, v.sink_k, v.sink_v, v.tiles, v.tail_k, v.tail_v, v.config,
+                               sink_lengths=v.sink_lengths, tile_counts=v.tile_counts, tail_lengths=v.tail_lengths,
+                               fp_frame="model", key_rotated=v.key_rotated, value_rotated=v.value_rotated)
+        k, val = layer._assemble()  # the cache's own read path, model frame
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.double(), k.double().repeat_interleave(3, 1), val.double().repeat_interleave(3, 1))
+        torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    assert checked >= 1

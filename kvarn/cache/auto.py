@@ -15,6 +15,7 @@ was built with) falls back to KVarN, with a warning.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import weakref
@@ -70,6 +71,14 @@ class KVarNAutoLayer(KVarNLayer):
         super()._select(index)
         if self.decision is not None:
             self.decision = self.decision.select(index.tolist())
+
+    def view(self):
+        """:meth:`KVarNLayer.view` plus the rotation flags of each (row, KV head)."""
+        v = super().view()
+        fl = self.store.flavours
+        if fl is None:
+            return v
+        return dataclasses.replace(v, key_rotated=fl.key_rotate, value_rotated=fl.value_rotate)
 
     def flavours(self) -> list[dict] | None:
         """Per row: ``decided`` and the flavour name per KV head (None before the decision)."""

@@ -101,20 +101,27 @@ def figure(docs: dict[str, dict], rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
-    ax = axes[0]
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5), gridspec_kw={"width_ratios": [1.2, 1.2, 1]})
     width = 0.8 / len(SHOWN)
     colors = {"kivi": "tab:red", "varn": "tab:olive", "kvarn": "tab:blue", "kvarn-auto": "tab:green",
               "kvarn-auto-a3": "tab:cyan"}
-    for i, m in enumerate(SHOWN):
-        ys = [(r.get(f"{m}:k2v2_g128") or (float("nan"),))[0] for r in rows]
-        ax.bar([j + i * width for j in range(len(rows))], ys, width, label=m, color=colors[m])
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
-    ax.set_xticklabels([r["pair"].replace("_", "\n") for r in rows], fontsize=8)
-    ax.set_ylabel("KL(fp || method), positions 512-2047")
-    ax.set_title("K2/V2: accumulated KL after a 512-token exact prefill")
-    ax.legend(fontsize=8)
-    ax = axes[1]
+    for ax, preset, refs, goal in ((axes[0], "k2v2_g128", ("kivi", "kvarn"), 0.97),
+                                   (axes[1], "k4v2_g128", ("kvarn",), 1.02)):
+        for i, m in enumerate(SHOWN):
+            ys = []
+            for r in rows:
+                base = [r[f"{x}:{preset}"][0] for x in refs if r.get(f"{x}:{preset}")]
+                v = r.get(f"{m}:{preset}")
+                ys.append(v[0] / min(base) if v and base else float("nan"))
+            ax.bar([j + i * width for j in range(len(rows))], ys, width, label=m, color=colors[m])
+        ax.axhline(goal, color="black", lw=1, ls="--", label=f"goal {goal}")
+        ax.set_yscale("log")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
+        ax.set_xticklabels([r["pair"].replace("_", "\n") for r in rows], fontsize=8)
+        ax.set_ylabel(f"KL / min({', '.join(refs)}), positions 512-2047")
+        ax.set_title(f"{preset}: accumulated KL after a 512-token exact prefill")
+        ax.legend(fontsize=7)
+    ax = axes[2]
     for name, doc in docs.items():
         if not name.endswith("wikitext2"):
             continue
