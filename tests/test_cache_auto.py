@@ -64,10 +64,19 @@ def test_left_padded_rows_decide_alone_and_short_prompts_fall_back(smollm2):
     assert all(f[0]["decided"] is False for f in alone.flavours().values())
 
 
+def test_without_the_model_every_layer_is_kvarn(smollm2, caplog):
+    model, _ = smollm2
+    with caplog.at_level("WARNING"):
+        cache = KVarNCache(model.config, "kvarn-auto", "k2v2_g128", **SMALL)
+    assert "cannot see the prefill's queries" in caplog.text
+    k = torch.randn(1, 3, S + 2 * G + 3, 64)
+    cache.update(k, k.clone(), 0)
+    cache.freeze()
+    assert cache.flavours()[0] == [{"decided": False, "prompt_tokens": 0, "heads": ["kvarn"] * 3}]
+
+
 def test_bad_construction(smollm2):
     model, _ = smollm2
-    with pytest.raises(ValueError, match="needs the model itself"):
-        KVarNCache(model.config, "kvarn-auto")
     with pytest.raises(ValueError, match="only meaningful for method 'kvarn-auto'"):
         from kvarn.auto import AutoSettings
 

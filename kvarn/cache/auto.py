@@ -40,6 +40,7 @@ class KVarNAutoLayer(KVarNLayer):
         super().__init__(codec, padding, is_sliding, decoded_cache)
         self.settings = settings
         self.decision: LayerDecision | None = None
+        self.expects_queries = False  # set by KVarNCache when it captures the prefill's queries
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -62,8 +63,9 @@ class KVarNAutoLayer(KVarNLayer):
 
     def freeze(self) -> None:
         if self.decision is None and self.is_initialized:
-            logger.warning("kvarn-auto: no prompt queries reached this layer before its first tile; "
-                           "it uses KVarN on every head")
+            if self.expects_queries:
+                logger.warning("kvarn-auto: no prompt queries reached this layer before its first tile; "
+                               "it uses KVarN on every head")
             self._set(LayerDecision([fallback(self.heads, 0) for _ in range(self.batch)]))
         super().freeze()
 

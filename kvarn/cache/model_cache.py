@@ -23,8 +23,9 @@ Methods (``method=``; every one uses the same tiles, sink and tail, see :mod:`kv
 - ``varn``: the KVarN paper's "VarN" ablation: variance normalization without rotation.
 - ``fp8``: FP8 e4m3 with an fp16 per-token scale (vLLM's fp8 KV-cache format).
 - ``kvarn-auto``: kvarn's records, with rotation and normalization chosen per (row, layer, KV head)
-  from the prompt (:mod:`kvarn.auto`, :mod:`kvarn.cache.auto`); needs the model itself (it reads
-  the prefill's queries); KVarN where a row's prompt is shorter than ``sink_tokens + tile``.
+  from the prompt (:mod:`kvarn.auto`, :mod:`kvarn.cache.auto`); it reads the prefill's queries, so
+  it needs the model itself (built from a config or None, every layer is KVarN, with a warning);
+  KVarN where a row's prompt is shorter than ``sink_tokens + tile``.
   :meth:`KVarNCache.flavours` and ``memory_report()["flavours"]`` report the choices.
 
 Two more baselines are transformers' own quantized cache layers (:data:`HF_METHODS`), not kvarn
@@ -237,8 +238,8 @@ class KVarNCache(Cache):
         if auto is not None and self.method.name != "kvarn-auto":
             raise ValueError(f"auto= is only meaningful for method 'kvarn-auto', not {self.method.name!r}")
         if self.method.name == "kvarn-auto" and not isinstance(model_or_config, torch.nn.Module):
-            raise ValueError("method 'kvarn-auto' needs the model itself (not a config or None): it decides "
-                             "each head's flavour from the prefill's queries")
+            logger.warning("kvarn-auto without the model (a config or None) cannot see the prefill's queries: "
+                           "every layer uses KVarN unless its observe_prompt() is called")
         if self.method.name in HF_METHODS:
             self._init_hf(model_or_config, preset, overrides, attention_mask)
             return
@@ -273,6 +274,9 @@ class KVarNCache(Cache):
                 self._install_hook()
             if self.method.name == "kvarn-auto":
                 self._auto_hooks = install_prompt_capture(model_or_config, self)
+                for layer in self.layers:
+                    if isinstance(layer, KVarNAutoLayer):
+                        layer.expects_queries = True
 
     def _init_hf(self, model_or_config, preset, overrides, attention_mask) -> None:
         """Layers of transformers' quantized cache (``hf-quanto`` / ``hf-hqq``): no sink, no tiles."""
