@@ -34,6 +34,7 @@ from .config import KVarNConfig
 from .flavour import NAMED, OPTIONS, Flavours, roundtrip_flavoured
 
 RULES = ("a2", "a3")
+QUERY_BLOCK = 64
 
 
 @dataclass(frozen=True)
@@ -130,23 +131,26 @@ def decide_row(
     nq = min(settings.max_queries, t - s)
     pos = torch.linspace(s, t - 1, nq, device=k.device).round().long().unique()
     grp = hq // hk
-    qs = q[:, pos].reshape(hk, grp, len(pos), d)  # [Hk, grp, nq, D]
     key_pos = torch.arange(s, s + n * g, device=k.device)
-    causal_body = (key_pos[None, :] <= pos[:, None]).to(torch.float32)  # [nq, nK]
-    pairs = causal_body.sum() * grp
-    key_scores = []
-    for e in k_err:
-        logit = (qs @ e[:, None].transpose(-1, -2)).abs() * scale  # [Hk, grp, nq, nK]
-        key_scores.append((logit * causal_body).sum(dim=(1, 2, 3)) / pairs)
-    key_scores = torch.stack(key_scores, dim=-1)  # [Hk, 4]
-
     all_pos = torch.arange(t, device=k.device)
-    visible = all_pos[None, :] <= pos[:, None]  # [nq, T]
-    logits = (qs @ k[:, None].transpose(-1, -2)) * scale
-    p = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)[..., body]  # [Hk, grp, nq, nK]
-    value_scores = torch.stack(
-        [(p @ f[:, None]).abs().mean(dim=(1, 2, 3)) for f in v_err], dim=-1
-    )  # [Hk, 4]
+    key_sum = k.new_zeros(hk, len(OPTIONS))
+    value_sum = k.new_zeros(hk, len(OPTIONS))
+    pairs = 0.0
+    # Blocks of queries bound the [Hk, grp, block, T] intermediates on long prompts.
+    for block in pos.split(QUERY_BLOCK):
+        qs = q[:, block].reshape(hk, grp, len(block), d)  # [Hk, grp, nb, D]
+        causal_body = (key_pos[None, :] <= block[:, None]).to(torch.float32)  # [nb, nK]
+        pairs += float(causal_body.sum()) * grp
+        for c, e in enumerate(k_err):
+            logit = (qs @ e[:, None].transpose(-1, -2)).abs() * scale  # [Hk, grp, nb, nK]
+            key_sum[:, c] += (logit * causal_body).sum(dim=(1, 2, 3))
+        visible = all_pos[None, :] <= block[:, None]  # [nb, T]
+        logits = (qs @ k[:, None].transpose(-1, -2)) * scale
+        p = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)[..., body]  # [Hk, grp, nb, nK]
+        for c, f in enumerate(v_err):
+            value_sum[:, c] += (p @ f[:, None]).abs().sum(dim=(1, 2, 3))
+    key_scores = key_sum / pairs  # [Hk, 4]: mean over causal (query, key) pairs and query heads
+    value_scores = value_sum / (grp * len(pos) * d)  # [Hk, 4]: mean over queries, heads, channels
 
     key_choices = key_scores[:, :2] if settings.rule == "a2" else key_scores
     ki = key_choices.argmin(-1)  # ties: the first candidate, KVarN
