@@ -14,7 +14,9 @@ keys (after RoPE) and values. For one row and one KV head, with ``S`` sink token
    prompt attention ``p = softmax(q K^T * scale)`` (causal, sink included).
 4. Rule ``"a2"`` (default): keys choose KVarN (rotated) or VarN (model frame), both normalized;
    values choose among {rotation on/off} x {normalization on/off}. Rule ``"a3"``: keys also choose
-   among all four. Ties go to KVarN.
+   among all four. Rule ``"n2"``: normalization stays on for keys and values, only the rotation
+   is chosen for each. Ties go to KVarN; with ``margin`` m > 0, another flavour must beat KVarN's
+   score by the fraction m (score < (1 - m) x KVarN's) to be chosen.
 
 Cost: queries are sampled at ``max_queries`` evenly spaced positions past the sink, so one score is
 ``Hq * max_queries * T * D`` multiply-adds, like one attention pass of ``max_queries`` tokens.
@@ -33,23 +35,48 @@ import torch
 from .config import KVarNConfig
 from .flavour import NAMED, OPTIONS, Flavours, roundtrip_flavoured
 
-RULES = ("a2", "a3")
+RULES = ("a2", "a3", "n2")
 QUERY_BLOCK = 64
 
 
 @dataclass(frozen=True)
 class AutoSettings:
-    """How kvarn-auto decides. rule: ``"a2"`` or ``"a3"`` (module docstring); max_queries: query
-    positions sampled per row (>= 1)."""
+    """How kvarn-auto decides. rule: one of :data:`RULES` (module docstring); margin: the fraction
+    by which a flavour must beat KVarN's score, in [0, 1); max_queries: query positions sampled per
+    row (>= 1)."""
 
     rule: str = "a2"
+    margin: float = 0.0
     max_queries: int = 256
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"kvarn-auto rule={self.rule!r}; choose one of {list(RULES)}")
+        if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 1.0):
+            raise ValueError(f"kvarn-auto margin={self.margin!r} must be a number in [0, 1)")
         if not isinstance(self.max_queries, int) or self.max_queries < 1:
             raise ValueError(f"kvarn-auto max_queries={self.max_queries!r} must be an integer >= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> "AutoSettings":
+        """``"<rule>"`` or ``"<rule>@<margin>"`` (for example ``"n2@0.1"``), as the CLI takes it."""
+        rule, _, margin = text.partition("@")
+        try:
+            return cls(rule=rule, margin=float(margin) if margin else 0.0)
+        except ValueError as exc:
+            raise ValueError(f"kvarn-auto rule {text!r}: {exc}") from None
+
+    @property
+    def name(self) -> str:
+        return self.rule if not self.margin else f"{self.rule}@{self.margin:g}"
+
+
+def _choose(scores: torch.Tensor, candidates: int, margin: float) -> torch.Tensor:
+    """Index of the best of the first ``candidates`` columns of ``scores [Hk, 4]``; column 0 (KVarN)
+    unless another is lower than ``(1 - margin)`` times it."""
+    sc = scores[:, :candidates].clone()
+    sc[:, 1:] = sc[:, 1:] / (1.0 - margin)
+    return sc.argmin(-1)  # ties: the first candidate, KVarN
 
 
 @dataclass
@@ -152,9 +179,8 @@ def decide_row(
     key_scores = key_sum / pairs  # [Hk, 4]: mean over causal (query, key) pairs and query heads
     value_scores = value_sum / (grp * len(pos) * d)  # [Hk, 4]: mean over queries, heads, channels
 
-    key_choices = key_scores[:, :2] if settings.rule == "a2" else key_scores
-    ki = key_choices.argmin(-1)  # ties: the first candidate, KVarN
-    vi = value_scores.argmin(-1)
+    ki = _choose(key_scores, 4 if settings.rule == "a3" else 2, settings.margin)
+    vi = _choose(value_scores, 2 if settings.rule == "n2" else 4, settings.margin)
     opt = torch.tensor(OPTIONS, dtype=torch.bool, device=k.device)  # [4, 2]
 
     energy = (q.reshape(hk, grp, t, d)[:, :, s:] ** 2).mean(dim=(1, 2))  # [Hk, D]

@@ -48,8 +48,8 @@ from .errors import DecompositionAccumulator, kl_and_top1, mean_abs_error, relat
 class MethodSpec:
     """One method at one preset; ``key`` is ``"<method>:<preset>"``.
 
-    rule: kvarn-auto's decision rule (:data:`kvarn.auto.RULES`); the default rule's key has no suffix,
-    another rule's key is ``"kvarn-auto-<rule>:<preset>"``.
+    rule: kvarn-auto's decision rule, ``"<rule>"`` or ``"<rule>@<margin>"`` (:meth:`kvarn.auto.AutoSettings.parse`);
+    the default rule's key has no suffix, another rule's key is ``"kvarn-auto-<rule>:<preset>"``.
     """
 
     method: str
@@ -62,19 +62,19 @@ class MethodSpec:
         if self.rule is not None:
             if self.method != "kvarn-auto":
                 raise ValueError(f"rule={self.rule!r} is only meaningful for method 'kvarn-auto', not {self.method!r}")
-            AutoSettings(rule=self.rule)
+            AutoSettings.parse(self.rule)
 
     @property
     def auto(self) -> AutoSettings | None:
         if self.method != "kvarn-auto":
             return None
-        return AutoSettings() if self.rule is None else AutoSettings(rule=self.rule)
+        return AutoSettings() if self.rule is None else AutoSettings.parse(self.rule)
 
     @property
     def key(self) -> str:
-        if self.rule is None or self.rule == AutoSettings().rule:
+        if self.rule is None or self.auto == AutoSettings():
             return f"{self.method}:{self.preset}"
-        return f"{self.method}-{self.rule}:{self.preset}"
+        return f"{self.method}-{self.auto.name}:{self.preset}"
 
 
 def parse_specs(methods: list[str] | None = None, presets: list[str] | None = None,
