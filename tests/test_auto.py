@@ -52,6 +52,22 @@ def test_high_variance_alignment_picks_rotated_keys():
     assert d.key_logit_error[0, 0] < d.key_logit_error[0, 1]
 
 
+def test_rule_n2_and_the_margin():
+    q, k, v = _aligned_case(False)
+    n2 = decide_row(q, k, v, CFG, AutoSettings(rule="n2"))
+    assert not bool(n2.key_rotate[0]) and bool(n2.key_normalize[0]) and bool(n2.value_normalize[0])
+    ratio = float(n2.key_logit_error[0, 0] / n2.key_logit_error[0, 1])  # ~2: rotated is worse
+    assert not bool(decide_row(q, k, v, CFG, AutoSettings(margin=0.9 * (1 - 1 / ratio))).key_rotate[0])
+    kept = decide_row(q, k, v, CFG, AutoSettings(margin=1.1 * (1 - 1 / ratio)))
+    assert bool(kept.key_rotate[0])  # a gain smaller than the margin keeps KVarN's rotated keys
+    assert AutoSettings.parse("n2@0.1") == AutoSettings(rule="n2", margin=0.1)
+    assert AutoSettings.parse("n2@0.1").name == "n2@0.1" and AutoSettings.parse("a3").name == "a3"
+    with pytest.raises(ValueError, match="margin"):
+        AutoSettings.parse("a2@1.5")
+    with pytest.raises(ValueError, match="rule"):
+        AutoSettings.parse("b2@0.1")
+
+
 def test_correlation_sign_follows_the_alignment():
     low = decide_row(*_aligned_case(False), CFG)
     high = decide_row(*_aligned_case(True, high=8), CFG)
