@@ -1,9 +1,10 @@
 """The kvarn-auto goal table, flavour statistics and figure from the study's drift.json files.
 
-    python docs/results/drift/auto/make_report.py docs/results/drift/auto
+    python docs/results/drift/auto/make_report.py docs/results/drift/auto [MORE_DIRS...]
 
-Reads ``<dir>/<model>_<text>/drift.json`` (written by run_study.sh) and writes ``<dir>/goal.md``,
-``<dir>/goal.json`` and ``<dir>/auto_k2v2.png``. The figures are the accumulated regime after the
+Reads ``<dir>/<model>_<text>/drift.json`` (written by run_study.sh; further folders, such as the
+probe of other decision rules, add their methods to the same pairs) and writes ``<dir>/goal.md``,
+``<dir>/goal.json`` and ``<dir>/auto_k2v2.png`` into the first folder. The figures are the accumulated regime after the
 exact 512-token prefill: mean next-token KL(fp || method) over positions 512-2047, and the
 perplexity of the same positions.
 """
@@ -15,12 +16,24 @@ import math
 import sys
 from pathlib import Path
 
-AUTO = ("kvarn-auto", "kvarn-auto-a3")
-SHOWN = ("kivi", "varn", "kvarn") + AUTO
+BASELINES = ("kivi", "varn", "kvarn")
+AUTO: tuple[str, ...] = ("kvarn-auto",)  # extended by main() with every kvarn-auto rule found
+SHOWN: tuple[str, ...] = BASELINES + AUTO
+COLORS = {"kivi": "tab:red", "varn": "tab:olive", "kvarn": "tab:blue", "kvarn-auto": "tab:green",
+          "kvarn-auto-a3": "tab:cyan", "kvarn-auto-n2": "tab:pink", "kvarn-auto-n2@0.1": "tab:purple",
+          "kvarn-auto-a2@0.1": "tab:gray"}
 
 
-def _load(root: Path) -> dict[str, dict]:
-    return {p.parent.name: json.loads(p.read_text()) for p in sorted(root.glob("*/drift.json"))}
+def _load(roots: list[Path]) -> dict[str, dict]:
+    docs: dict[str, dict] = {}
+    for root in roots:
+        for p in sorted(root.glob("*/drift.json")):
+            doc = json.loads(p.read_text())
+            if p.parent.name in docs:
+                docs[p.parent.name]["methods"].update(doc["methods"])
+            else:
+                docs[p.parent.name] = doc
+    return docs
 
 
 def _fig(x: float, spec: str = ".4f") -> str:
@@ -71,10 +84,11 @@ def flavour_stats(docs: dict[str, dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict], stats: list[dict]) -> str:
-    lines = ["| model / text | fp ppl | " + " | ".join(f"{m} KL / ppl" for m in SHOWN) + " | goal a2 | goal a3 |",
-             "|---|---:|" + "---:|" * len(SHOWN) + "---|---|"]
+    lines = ["| model / text | fp ppl | " + " | ".join(f"{m} KL / ppl" for m in SHOWN) + " | "
+             + " | ".join(f"goal {m}" for m in AUTO) + " |",
+             "|---|---:|" + "---:|" * len(SHOWN) + "---|" * len(AUTO)]
     for preset in ("k2v2_g128", "k4v2_g128"):
-        lines.append(f"| **{preset}** |" + " |" * (len(SHOWN) + 3))
+        lines.append(f"| **{preset}** |" + " |" * (len(SHOWN) + len(AUTO) + 1))
         key = "k2v2" if preset.startswith("k2") else "k4v2"
         for r in rows:
             cells = []
@@ -95,6 +109,32 @@ def markdown(rows: list[dict], stats: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compact_markdown(rows: list[dict]) -> str:
+    """The doc's goal table: one row per pair and preset, the goal verdict cell by cell."""
+    cols = [m for m in SHOWN if m != "kvarn-auto-a2@0.1"]
+    lines = ["| model / text | preset | fp ppl | " + " | ".join(f"{m}<br>KL / ppl" for m in cols)
+             + " | goal (kvarn-auto) | goal (a3) |", "|---|---|---:|" + "---:|" * len(cols) + "---|---|"]
+    for preset, key in (("k2v2_g128", "k2v2"), ("k4v2_g128", "k4v2")):
+        for r in rows:
+            cells = []
+            for m in cols:
+                v = r.get(f"{m}:{preset}")
+                cells.append("-" if not v else f"{_fig(v[0])} / {_fig(v[1], '.2f')}")
+            verdict = []
+            for rule in ("kvarn-auto", "kvarn-auto-a3"):
+                ok, ratio = r.get(f"{rule}:goal_{key}"), r.get(f"{rule}:kl_ratio_{key}")
+                if ok is None:
+                    verdict.append("-")
+                    continue
+                a = r[f"{rule}:{preset}"]
+                refs = ("kivi", "kvarn") if key == "k2v2" else ("kvarn",)
+                ppl_ref = min(r[f"{x}:{preset}"][1] for x in refs)
+                verdict.append(f"{'**yes**' if ok else 'no'}: KL x{ratio:.3f}, ppl {a[1] - ppl_ref:+.2f}")
+            lines.append(f"| {r['pair']} | {key} | {_fig(r['fp16_ppl'], '.2f')} | " + " | ".join(cells) + " | "
+                         + " | ".join(verdict) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def figure(docs: dict[str, dict], rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -103,8 +143,6 @@ def figure(docs: dict[str, dict], rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(19, 5), gridspec_kw={"width_ratios": [1.2, 1.2, 1]})
     width = 0.8 / len(SHOWN)
-    colors = {"kivi": "tab:red", "varn": "tab:olive", "kvarn": "tab:blue", "kvarn-auto": "tab:green",
-              "kvarn-auto-a3": "tab:cyan"}
     for ax, preset, refs, goal in ((axes[0], "k2v2_g128", ("kivi", "kvarn"), 0.97),
                                    (axes[1], "k4v2_g128", ("kvarn",), 1.02)):
         for i, m in enumerate(SHOWN):
@@ -113,7 +151,7 @@ def figure(docs: dict[str, dict], rows: list[dict], path: Path) -> None:
                 base = [r[f"{x}:{preset}"][0] for x in refs if r.get(f"{x}:{preset}")]
                 v = r.get(f"{m}:{preset}")
                 ys.append(v[0] / min(base) if v and base else float("nan"))
-            ax.bar([j + i * width for j in range(len(rows))], ys, width, label=m, color=colors[m])
+            ax.bar([j + i * width for j in range(len(rows))], ys, width, label=m, color=COLORS.get(m))
         ax.axhline(goal, color="black", lw=1, ls="--", label=f"goal {goal}")
         ax.set_yscale("log")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rows))])
@@ -144,15 +182,20 @@ def figure(docs: dict[str, dict], rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main(root: str) -> None:
-    root_path = Path(root)
-    docs = _load(root_path)
+def main(roots: list[str]) -> None:
+    global AUTO, SHOWN
+    root_path = Path(roots[0])
+    docs = _load([Path(r) for r in roots])
+    found = sorted({k.partition(":")[0] for d in docs.values() for k in d["methods"] if k.startswith("kvarn-auto")},
+                   key=lambda m: (m != "kvarn-auto", m))
+    AUTO = tuple(found)
+    SHOWN = BASELINES + AUTO
     rows, stats = goal_rows(docs), flavour_stats(docs)
-    (root_path / "goal.md").write_text(markdown(rows, stats), encoding="utf-8")
+    (root_path / "goal.md").write_text(compact_markdown(rows) + "\n" + markdown(rows, stats), encoding="utf-8")
     (root_path / "goal.json").write_text(json.dumps({"goal": rows, "flavours": stats}, indent=1) + "\n")
     figure(docs, rows, root_path / "auto_k2v2.png")
-    print(markdown(rows, stats))
+    print(compact_markdown(rows))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "docs/results/drift/auto")
+    main(sys.argv[1:] or ["docs/results/drift/auto"])
