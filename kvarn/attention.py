@@ -10,6 +10,13 @@ A sequence's history is three regions, all stored in the rotated frame (``k' = k
 
 GQA: query head ``hq`` reads KV head ``hq // (Hq // Hk)``, as transformers' ``repeat_kv`` does.
 
+Per-head frames (kvarn-auto, :mod:`kvarn.flavour`): ``key_rotated`` / ``value_rotated`` (bool
+``[B, Hk]``, None = all True, the spec) say, per row and KV head, whether that head's keys / values
+live in the rotated frame or in the model frame. The query is rotated only where ``key_rotated``
+and the output un-rotated only where ``value_rotated``; with ``fp_frame="model"`` the sink and tail
+are rotated into the key / value frame only where the flag says. Scores are unchanged either way
+(``q k^T = q' k'^T``): the flags only say where the tiles' quantization error lives.
+
 Causality among several query tokens (speculative verification): the ``Tq`` query tokens are the
 last ``Tq`` tokens of the sequence and are already in the tail (a token that may be rejected is never
 frozen into a tile). Query ``i`` (0-based) sees the sink, every tile, and tail positions
@@ -26,7 +33,7 @@ import torch
 
 from .codec import TileFields, decode_tiles
 from .config import KVarNConfig
-from .hadamard import rotate
+from .flavour import rotate_where
 
 __all__ = ["decode_attention", "check_decode_inputs"]
 
@@ -37,6 +44,15 @@ def _lengths(x: torch.Tensor | None, full: int, batch: int, name: str, device) -
     if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape[0] != batch:
         raise ValueError(f"{name} must be a 1-D integer tensor of length B={batch}")
     return x.to(device=device, dtype=torch.int32)
+
+
+def _flags(x: torch.Tensor | None, batch: int, heads: int, name: str, device) -> torch.Tensor:
+    if x is None:
+        return torch.ones(batch, heads, dtype=torch.bool, device=device)
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bool or tuple(x.shape) != (batch, heads):
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a bool tensor [B={batch}, Hk={heads}] or None, got {got}")
+    return x.to(device)
 
 
 def check_decode_inputs(query, sink_k, sink_v, tiles, tail_k, tail_v, config):
@@ -92,6 +108,8 @@ def decode_attention(
     causal: bool = True,
     fp_frame: str = "rotated",
     compute_dtype: torch.dtype = torch.float32,
+    key_rotated: torch.Tensor | None = None,
+    value_rotated: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a few new query tokens over [sink | quantized tiles | tail].
 
@@ -105,21 +123,24 @@ def decode_attention(
         and valid tail tokens of each sequence (default: all of S, N, R). Entries beyond are ignored,
         so callers may pass preallocated buffers.
     causal:  mask tail positions after each query token (see module docstring).
-    fp_frame: "rotated" (sink and tail hold ``k @ H``, ``v @ H``) or "model" (they hold the model's
-        own K/V, as :class:`kvarn.KVarNCache` keeps them); the tiles are always rotated.
+    fp_frame: "rotated" (sink and tail are in the key / value frame, like the tiles) or "model" (they
+        hold the model's own K/V, as :class:`kvarn.KVarNCache` keeps them).
     compute_dtype: dtype of the dequantized K/V and of the softmax (float32 is the accuracy
         reference; float16 gives "torch's own error in that dtype" for kernel tolerances).
+    key_rotated, value_rotated: bool ``[B, Hk]`` or None (all True): the frame of each head's keys /
+        values, see the module docstring.
 
     Returns ``[B, Hq, Tq, D]`` un-rotated, in ``query.dtype``. A query with no visible key returns 0.
     """
     b, hq, tq, d, hk = check_decode_inputs(query, sink_k, sink_v, tiles, tail_k, tail_v, config)
     if fp_frame not in ("rotated", "model"):
         raise ValueError(f"fp_frame={fp_frame!r}; choose 'rotated' or 'model'")
-    if fp_frame == "model":
-        sink_k, sink_v, tail_k, tail_v = (
-            None if x is None else rotate(x, torch.float32) for x in (sink_k, sink_v, tail_k, tail_v)
-        )
     dev = query.device
+    k_rot = _flags(key_rotated, b, hk, "key_rotated", dev)
+    v_rot = _flags(value_rotated, b, hk, "value_rotated", dev)
+    if fp_frame == "model":
+        sink_k, tail_k = (None if x is None else rotate_where(x, k_rot) for x in (sink_k, tail_k))
+        sink_v, tail_v = (None if x is None else rotate_where(x, v_rot) for x in (sink_v, tail_v))
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     group = hq // hk
 
@@ -158,9 +179,9 @@ def decode_attention(
     v = torch.cat(values, dim=2).repeat_interleave(group, dim=1)
     mask = torch.cat(valid, dim=2)[:, None]  # [B, 1, Tq, L]
 
-    q_rot = rotate(query, torch.float32).to(compute_dtype)
+    q_rot = rotate_where(query, k_rot.repeat_interleave(group, dim=1)).to(compute_dtype)
     scores = (q_rot @ k.transpose(-1, -2)).float() * scale
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(compute_dtype)
     out_rot = probs @ v
-    return rotate(out_rot.float(), torch.float32).to(query.dtype)
+    return rotate_where(out_rot.float(), v_rot.repeat_interleave(group, dim=1)).to(query.dtype)

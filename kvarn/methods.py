@@ -7,6 +7,7 @@ policy (decided by the cache, not here). A method differs only in what it does i
 |---|---|---|---|---|---|
 | fp16   | -        | -             | -       | -     | full precision |
 | kvarn  | Hadamard | dual-axis     | channel | token | int RTN |
+| kvarn-auto | per head | per head   | channel | token | int RTN |
 | kivi   | -        | -             | channel | token | int RTN |
 | rtn    | -        | -             | token   | token | int RTN |
 | quarot | Hadamard | -             | token   | token | int RTN |
@@ -18,6 +19,10 @@ policy (decided by the cache, not here). A method differs only in what it does i
 (per-channel keys); "token" means ``[G, D]`` with min/max over the D channels of a token. Integer
 methods share the codec's RTN (half-to-even, fp16 scale and zero per row); normalized methods add
 an fp16 column scale. Stored bytes count codes plus exactly the scales each method needs.
+
+``kvarn-auto`` stores the spec's KVarN records; which of rotation and normalization each (row, KV head)
+uses is decided from the prompt (:mod:`kvarn.auto`) and passed to :meth:`TileCodec.encode` /
+:meth:`TileCodec.decode` as :class:`kvarn.flavour.Flavours`. Without flavours it is KVarN exactly.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import torch
 
 from .codec import TileFields, _encode_one, decode_tiles, rotate_kv, validate_kv
 from .config import KVarNConfig
+from .flavour import Flavours, decode_flavoured, encode_flavoured
 from .hadamard import rotate
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+RECORD_METHODS = ("kvarn", "kvarn-auto")  # methods stored as the spec's padded records
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "no quantization: the model's own K/V, token for token identical to transformers' DynamicCache"),
     Method("kvarn", True, True, True, "int",
            "KVarN (Muller et al., arXiv 2606.03458): Hadamard, dual-axis variance normalization, RTN"),
+    Method("kvarn-auto", True, True, True, "int",
+           "kvarn's records with rotation and normalization chosen per (row, KV head) from the prompt "
+           "(kvarn.auto); KVarN where the prompt is too short to decide"),
     Method("kivi", False, False, True, "int",
            "KIVI (Liu et al., ICML 2024, arXiv 2402.02750): per-channel keys, per-token values"),
     Method("rtn", False, False, False, "int",
@@ -83,6 +93,7 @@ class EncodedKV:
     k_scale: torch.Tensor | None = None  # fp8: [B, H, T] fp16
     v_fp8: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    flavours: Flavours | None = None     # kvarn-auto: [B, Hk] flags the tiles were written with
 
 
 class TileCodec:
@@ -102,7 +113,7 @@ class TileCodec:
             return 4.0 * d
         if m.fmt == "fp8":
             return 2 * (d + 2)
-        if m.name == "kvarn":
+        if m.name in RECORD_METHODS:
             return c.record_bytes(d) / g
         codes = (c.key_bits + c.value_bits) * d * g / 8
         k_rows = d if m.key_per_channel else g
@@ -112,12 +123,17 @@ class TileCodec:
         return (codes + scales) / g
 
     # encode / decode ---------------------------------------------------------------------------
-    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> EncodedKV:
-        """keys, values: ``[B, H, T, D]``, T a multiple of the tile."""
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, flavours: Flavours | None = None) -> EncodedKV:
+        """keys, values: ``[B, H, T, D]``, T a multiple of the tile; flavours ``[B, H]`` (kvarn-auto only)."""
         m, c = self.method, self.config
         validate_kv(keys, values, c.tile)
         b, h, t, d = keys.shape
         nbytes = int(round(self.bytes_per_token(d) * b * h * t))
+        if flavours is not None:
+            if m.name != "kvarn-auto":
+                raise ValueError(f"flavours are only meaningful for method 'kvarn-auto', not {m.name!r}")
+            tiles = encode_flavoured(keys, values, flavours, c)
+            return EncodedKV(m, tuple(keys.shape), nbytes, tiles=tiles, flavours=flavours)
         if m.fmt == "none":
             return EncodedKV(m, tuple(keys.shape), nbytes, k_fp8=keys.clone(), v_fp8=values.clone())
         if m.fmt == "fp8":
@@ -144,6 +160,8 @@ class TileCodec:
             return enc.k_fp8.to(torch.float32), enc.v_fp8.to(torch.float32)
         if m.fmt == "fp8":
             return _fp8_decode(enc.k_fp8, enc.k_scale), _fp8_decode(enc.v_fp8, enc.v_scale)
+        if enc.flavours is not None:
+            return decode_flavoured(enc.tiles, enc.flavours, c)
         k, v = decode_tiles(enc.tiles, c)
         if m.key_per_channel:
             k = k.transpose(-1, -2)
@@ -152,9 +170,10 @@ class TileCodec:
             k, v = rotate(k), rotate(v)
         return k, v
 
-    def roundtrip(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def roundtrip(self, keys: torch.Tensor, values: torch.Tensor,
+                  flavours: Flavours | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize then dequantize; returns tensors of the input dtype."""
-        k, v = self.decode(self.encode(keys, values))
+        k, v = self.decode(self.encode(keys, values, flavours))
         return k.to(keys.dtype), v.to(values.dtype)
 
 

@@ -90,3 +90,69 @@ def test_bad_inputs():
         decode_attention(torch.randn(1, 2, 3, 64), kv, kv, None, kv[:, :, :2], kv[:, :, :2], cfg)
     with pytest.raises(TypeError):
         decode_attention(torch.randn(1, 2, 1, 64), kv, kv, None, None, None, {"tile": 32})
+
+
+def _mixed_history(b, hk, s, n, r, d, cfg, key_rot, value_rot, seed=0):
+    """Model-frame K/V; tiles in each head's own frame (rotated where the flag says), every head with
+    normalization on or off at random."""
+    from kvarn.flavour import Flavours, encode_flavoured
+
+    g = torch.Generator().manual_seed(seed)
+    t = s + n * cfg.tile + r
+    k = torch.randn(b, hk, t, d, generator=g) * (1 + 3 * torch.rand(1, 1, 1, d, generator=g))
+    v = torch.randn(b, hk, t, d, generator=g)
+    norm = torch.rand(2, b, hk, generator=g) < 0.5
+    fl = Flavours(key_rot, norm[0], value_rot, norm[1])
+    body = slice(s, s + n * cfg.tile)
+    return k, v, encode_flavoured(k[:, :, body], v[:, :, body], fl, cfg), fl
+
+
+def _dense_model_frame(k, v, tiles, fl, cfg, s, n):
+    """The history in the model frame with the body dequantized head by head (no flag-aware attention)."""
+    kd, vd = tiles_to_kv(*decode_tiles(tiles, cfg))  # each head in its own stored frame
+    k, v = k.clone(), v.clone()
+    body = slice(s, s + n * cfg.tile)
+    for bi in range(k.shape[0]):
+        for h in range(k.shape[1]):
+            kh, vh = kd[bi, h], vd[bi, h]
+            k[bi, h, body] = rotate_kv(kh, cfg) if fl.key_rotate[bi, h] else kh
+            v[bi, h, body] = rotate_kv(vh, cfg) if fl.value_rotate[bi, h] else vh
+    return k, v
+
+
+@pytest.mark.parametrize("fp_frame", ["rotated", "model"])
+@pytest.mark.parametrize("tq", [1, 3])
+def test_mixed_frames_match_dense_reference(fp_frame, tq):
+    cfg = KVarNConfig(key_bits=2, value_bits=2, tile=32)
+    b, hk, hq, d, s, n, r = 2, 3, 6, 64, 32, 2, 5
+    key_rot = torch.tensor([[True, False, True], [False, False, True]])
+    value_rot = torch.tensor([[False, True, True], [True, False, False]])
+    k, v, tiles, fl = _mixed_history(b, hk, s, n, r, d, cfg, key_rot, value_rot)
+    q = torch.randn(b, hq, tq, d)
+    sl, tl = slice(0, s), slice(s + n * 32, None)
+    if fp_frame == "model":
+        fk, fv = k, v
+    else:  # the sink and tail in each head's key / value frame, like its tiles
+        fk = torch.where(key_rot[:, :, None, None], rotate_kv(k, cfg), k)
+        fv = torch.where(value_rot[:, :, None, None], rotate_kv(v, cfg), v)
+    out = decode_attention(q, fk[:, :, sl], fv[:, :, sl], tiles, fk[:, :, tl], fv[:, :, tl], cfg,
+                           fp_frame=fp_frame, key_rotated=key_rot, value_rotated=value_rot)
+    ref = _sdpa(q, *_dense_model_frame(k, v, tiles, fl, cfg, s, n), causal_tq=True)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    # the flags matter: reading the same tiles as all-rotated is a different (wrong) answer
+    wrong = decode_attention(q, fk[:, :, sl], fv[:, :, sl], tiles, fk[:, :, tl], fv[:, :, tl], cfg, fp_frame=fp_frame)
+    assert (wrong.double() - ref).abs().max() > 1e-2
+
+
+def test_all_true_flags_are_the_default():
+    cfg = KVarNConfig(key_bits=4, value_bits=2, tile=32)
+    k, v, kr, vr, tiles = _history(2, 2, 32, 2, 4, 64, cfg, seed=3)
+    q = torch.randn(2, 4, 1, 64)
+    sl, tl = slice(0, 32), slice(96, None)
+    args = (q, kr[:, :, sl], vr[:, :, sl], tiles, kr[:, :, tl], vr[:, :, tl], cfg)
+    ones = torch.ones(2, 2, dtype=torch.bool)
+    assert torch.equal(decode_attention(*args), decode_attention(*args, key_rotated=ones, value_rotated=ones))
+    with pytest.raises(ValueError, match="key_rotated must be a bool tensor"):
+        decode_attention(*args, key_rotated=torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="value_rotated must be a bool tensor"):
+        decode_attention(*args, value_rotated=torch.ones(2, 2))

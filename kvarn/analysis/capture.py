@@ -97,15 +97,18 @@ class TileFreezer:
 
     ``quantized_layers``: layers whose history is quantized; others stay full precision.
     ``frozen[layer]``: tokens of that layer whose stored form is final (sink + quantized tiles).
+    ``flavours[layer]``: kvarn-auto's per-head flavours of that layer (``[B, Hk]``); a layer without
+    an entry is quantized with the method's fixed pipeline (KVarN for kvarn-auto).
     """
 
     codec: TileCodec
     quantized_layers: frozenset[int]
     frozen: dict[int, int] = field(default_factory=dict)
+    flavours: dict = field(default_factory=dict)
 
     def fresh(self) -> "TileFreezer":
-        """The same codec and layers with nothing frozen yet (one freezer per cache)."""
-        return TileFreezer(self.codec, self.quantized_layers)
+        """The same codec, layers and flavours with nothing frozen yet (one freezer per cache)."""
+        return TileFreezer(self.codec, self.quantized_layers, flavours=self.flavours)
 
     @property
     def config(self) -> KVarNConfig:
@@ -127,7 +130,7 @@ class TileFreezer:
         """
         start, end = self.span(layer, keys.shape[2])
         if end > start:
-            kq, vq = self.codec.roundtrip(keys[:, :, start:end], values[:, :, start:end])
+            kq, vq = self.codec.roundtrip(keys[:, :, start:end], values[:, :, start:end], self.flavours.get(layer))
             keys[:, :, start:end] = kq
             values[:, :, start:end] = vq
             self.frozen[layer] = end

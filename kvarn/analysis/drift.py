@@ -19,6 +19,12 @@ Per layer and chunk: mean absolute error of the attention output (before ``o_pro
 error of the chunk's stored K and V. Per token (static): the magnitude/direction decomposition of
 :mod:`kvarn.analysis.errors`. Output level (accumulated): KL(fp || method) of the next-token
 distribution, top-1 agreement, perplexity.
+
+Prefill: the first pass may be longer than a chunk (``prefill`` tokens, exact, like a prompt); its
+finished tiles are quantized after it and later chunks attend to them. kvarn-auto decides its
+flavours from that first pass (the shadow's queries, keys and values, which are exact there), and
+every quantized layer reports the prompt diagnostics of :mod:`kvarn.auto` (logit error of rotated
+vs unrotated keys, correlation of log key variance with log query energy, per KV head).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..auto import AutoSettings, decide
 from ..config import KVarNConfig
 from ..methods import METHODS, TileCodec, get_method
 from .capture import (
@@ -39,25 +46,49 @@ from .errors import DecompositionAccumulator, kl_and_top1, mean_abs_error, relat
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One method at one preset; ``key`` is ``"<method>:<preset>"``."""
+    """One method at one preset; ``key`` is ``"<method>:<preset>"``.
+
+    rule: kvarn-auto's decision rule, ``"<rule>"`` or ``"<rule>@<margin>"`` (:meth:`kvarn.auto.AutoSettings.parse`);
+    the default rule's key has no suffix, another rule's key is ``"kvarn-auto-<rule>:<preset>"``.
+    """
 
     method: str
     preset: str
+    rule: str | None = None
 
     def __post_init__(self) -> None:
         get_method(self.method)
         KVarNConfig.from_name(self.preset)
+        if self.rule is not None:
+            if self.method != "kvarn-auto":
+                raise ValueError(f"rule={self.rule!r} is only meaningful for method 'kvarn-auto', not {self.method!r}")
+            AutoSettings.parse(self.rule)
+
+    @property
+    def auto(self) -> AutoSettings | None:
+        if self.method != "kvarn-auto":
+            return None
+        return AutoSettings() if self.rule is None else AutoSettings.parse(self.rule)
 
     @property
     def key(self) -> str:
-        return f"{self.method}:{self.preset}"
+        if self.rule is None or self.auto == AutoSettings():
+            return f"{self.method}:{self.preset}"
+        return f"{self.method}-{self.auto.name}:{self.preset}"
 
 
-def parse_specs(methods: list[str] | None = None, presets: list[str] | None = None) -> list[MethodSpec]:
-    """Every method x preset (defaults: all methods, presets k2v2_g128 and k4v2_g128)."""
+def parse_specs(methods: list[str] | None = None, presets: list[str] | None = None,
+                auto_rules: list[str] | None = None) -> list[MethodSpec]:
+    """Every method x preset (defaults: all methods, presets k2v2_g128 and k4v2_g128); kvarn-auto once
+    per rule of ``auto_rules`` (default: its default rule)."""
     methods = list(METHODS) if not methods else methods
     presets = ["k2v2_g128", "k4v2_g128"] if not presets else presets
-    return [MethodSpec(m, p) for p in presets for m in methods]
+    out = []
+    for p in presets:
+        for m in methods:
+            rules = (auto_rules or [None]) if m == "kvarn-auto" else [None]
+            out += [MethodSpec(m, p, r) for r in rules]
+    return out
 
 
 def method_config(spec: MethodSpec, sink_tokens: int | None = None, quantize_sliding_window: bool = False):
@@ -68,7 +99,7 @@ def _dedup_key(spec: MethodSpec, config: KVarNConfig) -> tuple:
     # fp16 and fp8 ignore the bit widths: run them once per tile/sink layout.
     if get_method(spec.method).fmt in ("none", "fp8"):
         return (spec.method, config.tile, config.sink_tokens, config.quantize_sliding_window)
-    return (spec.method, config)
+    return (spec.method, config, spec.auto)
 
 
 @dataclass
@@ -89,6 +120,8 @@ class MethodDrift:
     nll_count: int
     k_decomposition: dict[str, float]
     v_decomposition: dict[str, float]
+    chunk_nll: list[float] = field(default_factory=list)  # NLL sum per chunk (count: DriftRun.chunk_targets)
+    decisions: dict[int, dict] | None = None  # kvarn-auto: layer -> RowDecision.summary() of row 0
 
     @property
     def perplexity(self) -> float:
@@ -106,11 +139,18 @@ class DriftRun:
     sliding_layers: list[int]
     fp_perplexity: float
     methods: dict[str, MethodDrift] = field(default_factory=dict)
+    prefill: int = 0
+    chunk_targets: list[int] = field(default_factory=list)
+    fp_chunk_nll: list[float] = field(default_factory=list)
+    prompt_diagnostics: dict[str, dict[int, dict]] = field(default_factory=dict)  # preset -> layer -> summary
 
 
 class _MethodState:
-    def __init__(self, key: str, codec: TileCodec, layers: frozenset[int], num_layers: int, worst: float):
-        self.key, self.codec, self.layers = key, codec, layers
+    def __init__(self, key: str, codec: TileCodec, layers: frozenset[int], num_layers: int, worst: float,
+                 auto: AutoSettings | None = None):
+        self.key, self.codec, self.layers, self.auto = key, codec, layers, auto
+        self.decisions: dict[int, dict] = {}
+        self.chunk_nll: list[float] = []
         self.static_freezer = TileFreezer(codec, layers)
         self.acc_freezer = TileFreezer(codec, layers)
         self.cache = new_cache(num_layers)
@@ -131,11 +171,21 @@ class _MethodState:
             self.key, sorted(self.layers), self.static_mae, self.acc_mae, self.s_krel, self.s_vrel,
             self.a_krel, self.a_vrel, self.kl, self.top1, self.nll_sum, self.nll_count,
             self.k_dec.summary(self.worst), self.v_dec.summary(self.worst),
+            list(self.chunk_nll), dict(self.decisions) if self.auto is not None else None,
         )
 
+    def set_flavours(self, layer: int, decision) -> None:
+        """kvarn-auto: quantize ``layer`` with ``decision``'s flavours in both regimes."""
+        fl = decision.flavours
+        self.static_freezer.flavours[layer] = fl
+        self.acc_freezer.flavours[layer] = fl
+        self.decisions[layer] = decision.rows[0].summary()
 
-def chunk_bounds(tokens: int, chunk: int) -> list[tuple[int, int]]:
-    return [(s, min(s + chunk, tokens)) for s in range(0, tokens, chunk)]
+
+def chunk_bounds(tokens: int, chunk: int, prefill: int | None = None) -> list[tuple[int, int]]:
+    """``[(start, end)]``: a first pass of ``prefill`` tokens (default: one chunk), then chunks."""
+    first = min(prefill or chunk, tokens)
+    return [(0, first)] + [(s, min(s + chunk, tokens)) for s in range(first, tokens, chunk)]
 
 
 @torch.inference_mode()
@@ -150,6 +200,7 @@ def pseudo_decode(
     layers: list[int] | None = None,
     worst_fraction: float = 0.05,
     reuse_shadow_for_fp16: bool = True,
+    prefill: int | None = None,
     progress: bool = True,
 ) -> DriftRun:
     """Static and accumulated drift of every method in ``specs`` over ``input_ids`` ``[1, T]``.
@@ -160,6 +211,7 @@ def pseudo_decode(
         which are kept in full precision unless ``quantize_sliding_window``).
     reuse_shadow_for_fp16: the fp16 method stores the exact history, so its accumulated run is the
         shadow itself; skip that forward pass (False runs it, a check of the machinery).
+    prefill: tokens of the first, exact pass (default: one chunk); kvarn-auto decides from it.
     """
     from tqdm.auto import tqdm
 
@@ -171,6 +223,8 @@ def pseudo_decode(
     chunk = chunk or configs[0].tile
     if chunk < 1:
         raise ValueError(f"chunk={chunk!r} must be a positive number of tokens")
+    if prefill is not None and prefill < 1:
+        raise ValueError(f"prefill={prefill!r} must be a positive number of tokens")
     num_layers = len(attention_modules(model))
     sliding = sliding_layers(model)
     all_layers = set(range(num_layers)) if layers is None else set(layers)
@@ -186,13 +240,21 @@ def pseudo_decode(
             q = all_layers if cfg.quantize_sliding_window else all_layers - sliding
             if get_method(spec.method).fmt == "none":
                 q = set()  # fp16 stores nothing quantized; its cache is the exact history
-            states[dk] = _MethodState(spec.key, TileCodec(spec.method, cfg), frozenset(q), num_layers, worst_fraction)
+            states[dk] = _MethodState(spec.key, TileCodec(spec.method, cfg), frozenset(q), num_layers,
+                                      worst_fraction, spec.auto)
     run_states = list(states.values())
+    # Prompt diagnostics once per integer preset (kvarn-auto's default rule reuses them).
+    probes: dict[str, tuple[KVarNConfig, frozenset[int]]] = {}
+    for spec, cfg in zip(specs, configs):
+        if get_method(spec.method).fmt == "int" and spec.preset not in probes:
+            probes[spec.preset] = (cfg, frozenset(all_layers if cfg.quantize_sliding_window else all_layers - sliding))
+    diagnostics: dict[str, dict[int, dict]] = {p: {} for p in probes}
 
     T = input_ids.shape[1]
-    bounds = chunk_bounds(T, chunk)
+    bounds = chunk_bounds(T, chunk, prefill)
     shadow = new_cache(num_layers)
     nll_fp, n_fp = 0.0, 0
+    fp_chunk_nll, chunk_targets = [], []
     bar = tqdm(total=len(bounds) * (1 + len(run_states)), desc="pseudo-decode", unit="pass", disable=not progress)
     with drift_attention(model):
         for s, e in bounds:
@@ -203,6 +265,8 @@ def pseudo_decode(
             def static_observer(module, q, k, v, mask, kw, out, s=s):
                 layer = module.layer_idx
                 shadow_out[layer] = out
+                if s == 0:
+                    _decide_prompt(module, q, k, v, kw, run_states, probes, diagnostics)
                 for st in run_states:
                     if layer not in st.layers or s == 0:
                         st.static_mae[layer].append(0.0)
@@ -216,6 +280,8 @@ def pseudo_decode(
             fp_nll = token_nll(fp_logits[: len(targets)], targets)
             nll_fp += float(fp_nll.sum())
             n_fp += fp_nll.numel()
+            fp_chunk_nll.append(float(fp_nll.sum()))
+            chunk_targets.append(fp_nll.numel())
             for st in run_states:
                 _static_update(st, shadow, s, e)
             bar.update(1)
@@ -223,6 +289,7 @@ def pseudo_decode(
             for st in run_states:
                 if reuse_shadow_for_fp16 and st.codec.method.fmt == "none":
                     _record_exact(st, num_layers, float(fp_nll.sum()), fp_nll.numel())
+                    st.chunk_nll.append(float(fp_nll.sum()))
                     bar.update(1)
                     continue
                 acc_out: dict[int, torch.Tensor] = {}
@@ -240,15 +307,38 @@ def pseudo_decode(
                 nll = token_nll(logits[: len(targets)], targets)
                 st.nll_sum += float(nll.sum())
                 st.nll_count += nll.numel()
+                st.chunk_nll.append(float(nll.sum()))
                 bar.update(1)
     bar.close()
 
-    run = DriftRun(T, chunk, [e for _, e in bounds], num_layers, sorted(sliding), math.exp(nll_fp / max(n_fp, 1)))
+    run = DriftRun(T, chunk, [e for _, e in bounds], num_layers, sorted(sliding), math.exp(nll_fp / max(n_fp, 1)),
+                   prefill=bounds[0][1], chunk_targets=chunk_targets, fp_chunk_nll=fp_chunk_nll,
+                   prompt_diagnostics=diagnostics)
     results = {dk: st.result() for dk, st in states.items()}
     for spec in specs:
         r = results[owner[spec.key]]
         run.methods[spec.key] = MethodDrift(**{**r.__dict__, "key": spec.key})
     return run
+
+
+def _decide_prompt(module, q, k, v, kw, run_states, probes, diagnostics) -> None:
+    """At the first pass: prompt diagnostics per preset, and kvarn-auto's flavours per state."""
+    layer = module.layer_idx
+    scaling = kw.get("scaling", getattr(module, "scaling", None))
+    done: dict[tuple, object] = {}
+
+    def get(cfg, settings):
+        key = (cfg, settings)
+        if key not in done:
+            done[key] = decide(q, k, v, cfg, None, settings, scaling)
+        return done[key]
+
+    for preset, (cfg, layers) in probes.items():
+        if layer in layers:
+            diagnostics[preset][layer] = get(cfg, AutoSettings()).rows[0].summary()
+    for st in run_states:
+        if st.auto is not None and layer in st.layers:
+            st.set_flavours(layer, get(st.codec.config, st.auto))
 
 
 def _record_exact(st: _MethodState, num_layers: int, nll_sum: float, nll_count: int) -> None:

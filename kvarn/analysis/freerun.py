@@ -18,8 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..auto import decide
 from ..methods import TileCodec, get_method
-from .capture import TileFreezer, attention_modules, drift_attention, freeze_cache, new_cache, sliding_layers
+from .capture import (
+    TileFreezer, attention_modules, drift_attention, freeze_cache, new_cache, observe, sliding_layers,
+)
 from .drift import MethodSpec, _dedup_key, method_config
 from .errors import kl_and_top1
 
@@ -34,13 +37,28 @@ class FreeRun:
     top1_agreement: float  # teacher-forced top-1 agreement along the fp16 trajectory
 
 
-def _freezer(model, spec: MethodSpec, sink_tokens, quantize_sliding_window) -> TileFreezer:
+def _freezer(model, spec: MethodSpec, sink_tokens, quantize_sliding_window, prompt_ids=None) -> TileFreezer:
     cfg = method_config(spec, sink_tokens, quantize_sliding_window)
     n = len(attention_modules(model))
     layers = set(range(n)) if cfg.quantize_sliding_window else set(range(n)) - sliding_layers(model)
     if get_method(spec.method).fmt == "none":
         layers = set()
-    return TileFreezer(TileCodec(spec.method, cfg), frozenset(layers))
+    freezer = TileFreezer(TileCodec(spec.method, cfg), frozenset(layers))
+    if spec.auto is not None and prompt_ids is not None:
+        _decide_on_prompt(model, prompt_ids, freezer, spec.auto)
+    return freezer
+
+
+def _decide_on_prompt(model, prompt_ids: torch.Tensor, freezer: TileFreezer, settings) -> None:
+    """kvarn-auto: one exact prefill of the prompt sets the freezer's flavours for every quantized layer."""
+
+    def observer(module, q, k, v, mask, kw, out):
+        if module.layer_idx in freezer.quantized_layers:
+            scaling = kw.get("scaling", getattr(module, "scaling", None))
+            freezer.flavours[module.layer_idx] = decide(q, k, v, freezer.config, None, settings, scaling).flavours
+
+    with observe(model, observer):
+        model(input_ids=prompt_ids, past_key_values=new_cache(len(attention_modules(model))), use_cache=True)
 
 
 def greedy(model, prompt_ids: torch.Tensor, freezer: TileFreezer, n_tokens: int, bar=None) -> list[int]:
@@ -115,7 +133,7 @@ def free_run(
         ref = greedy(model, prompt_ids, fp_freezer, n_tokens, bar)
         ref_logits = teacher_forced_logits(model, prompt_ids, ref, fp_freezer)
         for dk, spec in unique.items():
-            fz = _freezer(model, spec, sink_tokens, quantize_sliding_window)
+            fz = _freezer(model, spec, sink_tokens, quantize_sliding_window, prompt_ids)
             if fz.config.tile != tile:
                 ref_logits_m = teacher_forced_logits(model, prompt_ids, ref, _freezer(model, MethodSpec("fp16", spec.preset), sink_tokens, quantize_sliding_window))
             else:

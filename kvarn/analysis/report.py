@@ -16,6 +16,12 @@ per chunk; ``*_quantized_layers`` variants average over the quantized layers onl
 direction errors are per-token squared errors divided by the mean squared norm of the tokens of the
 same layer and head (static regime); ``*_top5`` average them over the worst 5% of tokens by total
 error, ``*_mean`` over all tokens.
+
+``kl_after_prefill`` / ``perplexity_after_prefill`` cover only the chunks after the exact first pass
+(``prefill`` tokens), the accumulated-regime figures. ``prompt_diagnostics[preset][layer]`` and, for
+kvarn-auto, ``auto_decisions[layer]`` hold :meth:`kvarn.auto.RowDecision.summary` per quantized layer:
+per KV head the prompt's key logit error with rotated (KVarN) and unrotated (VarN) keys, the
+correlation of log key variance with log query energy over channels, and the chosen flags.
 """
 
 from __future__ import annotations
@@ -51,10 +57,25 @@ def _clean(x):
     return x
 
 
+def _after_prefill(run: DriftRun, kl: list[float], chunk_nll: list[float]) -> tuple[float, float]:
+    """Mean KL over the chunks after the first pass, and the perplexity of their targets."""
+    if len(run.chunk_targets) < 2 or len(chunk_nll) != len(run.chunk_targets):
+        return float("nan"), float("nan")
+    n = sum(run.chunk_targets[1:])
+    weights = run.chunk_targets[1:]
+    kl_mean = sum(k * w for k, w in zip(kl[1:], weights)) / n if n else float("nan")
+    return kl_mean, math.exp(sum(chunk_nll[1:]) / n) if n else float("nan")
+
+
 def method_entry(run: DriftRun, r: MethodDrift) -> dict:
     q = r.quantized_layers
     kd, vd = r.k_decomposition, r.v_decomposition
+    kl_after, ppl_after = _after_prefill(run, r.kl, r.chunk_nll)
+    extra = {"auto_decisions": {str(k): v for k, v in r.decisions.items()}} if r.decisions is not None else {}
     return {
+        "kl_after_prefill": kl_after,
+        "perplexity_after_prefill": ppl_after,
+        **extra,
         "positions": run.positions,
         "static_mae": _layer_mean(r.static_mae_layers),
         "accumulated_mae": _layer_mean(r.accumulated_mae_layers),
@@ -98,6 +119,9 @@ def build_report(
         "num_layers": run.num_layers,
         "sliding_layers": run.sliding_layers,
         "fp16_perplexity": run.fp_perplexity,
+        "prefill": run.prefill,
+        "fp16_perplexity_after_prefill": _after_prefill(run, [0.0] * len(run.fp_chunk_nll), run.fp_chunk_nll)[1],
+        "prompt_diagnostics": {p: {str(k): v for k, v in d.items()} for p, d in run.prompt_diagnostics.items()},
         **(extra or {}),
         "methods": {k: method_entry(run, r) for k, r in run.methods.items()},
     }
@@ -139,8 +163,9 @@ def summary_markdown(doc: dict) -> str:
         "magnitude / (magnitude + direction) of the squared K (V) error over the worst 5% of tokens.",
         "",
         "| method:preset | static MAE | accum. MAE | accum./static | accum. MAE @last | KL mean | top-1 | ppl "
+        "| KL after prefill | ppl after prefill "
         "| K top5 mag / dir | K mag share top5 (all) | V top5 mag / dir | V mag share top5 (all) | 1st div. | agree@N | free KL |",
-        "|---|" + "---:|" * 15,
+        "|---|" + "---:|" * 17,
     ]
     for key, m in doc["methods"].items():
         if "static_mae" not in m:
@@ -158,6 +183,7 @@ def summary_markdown(doc: dict) -> str:
         lines.append(
             f"| {key} | {_fmt(s)} | {_fmt(a)} | {_fmt(ratio, '.2f')} | {_fmt(m['accumulated_mae'][-1])} "
             f"| {_fmt(_mean(m['kl']))} | {_fmt(_mean(m['top1_agreement']), '.3f')} | {_fmt(m['perplexity'], '.3f')} "
+            f"| {_fmt(m.get('kl_after_prefill'))} | {_fmt(m.get('perplexity_after_prefill'), '.3f')} "
             f"| {_fmt(m['k_magnitude_error_top5'], '.3f')} / {_fmt(m['k_direction_error_top5'], '.3f')} "
             f"| {_fmt(share('k', 'top5'), '.2f')} ({_fmt(share('k', 'mean'), '.2f')}) "
             f"| {_fmt(m['v_magnitude_error_top5'], '.3f')} / {_fmt(m['v_direction_error_top5'], '.3f')} "
@@ -165,4 +191,36 @@ def summary_markdown(doc: dict) -> str:
             f"| {_div(fr)} | {_fmt(fr.get('agreement'), '.3f') if fr else '-'} "
             f"| {_fmt(fr.get('kl_mean')) if fr else '-'} |"
         )
+    lines += _diagnostics_markdown(doc)
     return "\n".join(lines) + "\n"
+
+
+def _diagnostics_markdown(doc: dict) -> list[str]:
+    """Per layer and KV head: the prompt's key logit error rotated vs unrotated, the log-variance /
+    log-energy correlation, and kvarn-auto's choice where it ran."""
+    out = []
+    for preset, layers in (doc.get("prompt_diagnostics") or {}).items():
+        auto = (doc["methods"].get(f"kvarn-auto:{preset}") or {}).get("auto_decisions", {})
+        out += [
+            "", f"## Prompt diagnostics at {preset} (first {doc.get('prefill')} tokens)", "",
+            "Key logit error: mean |q.(k - k^)| x scale over the prompt's causal pairs, KVarN (rotated) and "
+            "VarN (model frame) keys. corr: correlation over channels of log key variance and log query "
+            "energy. kvarn-auto: the flavour it chose (K rot/norm, V rot/norm).",
+            "", "| layer | head | key err rotated | key err unrotated | rotated/unrotated | corr | kvarn-auto |",
+            "|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for layer, d in sorted(layers.items(), key=lambda kv: int(kv[0])):
+            if "key_logit_error_rotated" not in d:
+                continue
+            a = auto.get(layer)
+            for h, (r, u, c) in enumerate(zip(d["key_logit_error_rotated"], d["key_logit_error_unrotated"],
+                                              d["log_key_variance_vs_log_query_energy_corr"])):
+                choice = "-"
+                if a is not None:
+                    f = lambda x: "R" if x else "-"  # noqa: E731
+                    g = lambda x: "N" if x else "-"  # noqa: E731
+                    choice = (f"K{f(a['key_rotate'][h])}{g(a['key_normalize'][h])} "
+                              f"V{f(a['value_rotate'][h])}{g(a['value_normalize'][h])}")
+                out.append(f"| {layer} | {h} | {_fmt(r)} | {_fmt(u)} | {_fmt(r / u if u else float('nan'), '.2f')} "
+                           f"| {_fmt(c, '.2f')} | {choice} |")
+    return out

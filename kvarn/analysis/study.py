@@ -32,6 +32,7 @@ def run_drift(
     extra: dict | None = None,
     progress: bool = True,
     plots: bool = True,
+    prefill: int | None = None,
 ) -> dict:
     """Run the study on ``input_ids [1, T]`` and write ``drift.json``, ``summary.md`` and the PNGs to ``out_dir``.
 
@@ -43,7 +44,7 @@ def run_drift(
     start = time.perf_counter()
     run = pseudo_decode(
         model, input_ids, specs, chunk, sink_tokens=sink_tokens,
-        quantize_sliding_window=quantize_sliding_window, progress=progress,
+        quantize_sliding_window=quantize_sliding_window, progress=progress, prefill=prefill,
     )
     log.info("pseudo-decode of %d tokens x %d methods: %.1f s", run.tokens, len(specs), time.perf_counter() - start)
     free, settings = None, None

@@ -57,6 +57,10 @@ class LayerView:
     tail_k: torch.Tensor             # [B, Hk, R, D]
     tail_v: torch.Tensor
     tail_lengths: torch.Tensor       # [B]
+    # kvarn-auto: bool [B, Hk], the frame of each head's tiles (None: all rotated, the spec), as
+    # kvarn.attention.decode_attention's key_rotated / value_rotated take them.
+    key_rotated: torch.Tensor | None = None
+    value_rotated: torch.Tensor | None = None
 
 
 def _memory(quantized_bytes, full_precision_bytes, tokens, fp16_equivalent_bytes, reserved_bytes, quantized_tiles=0,

@@ -22,6 +22,11 @@ Methods (``method=``; every one uses the same tiles, sink and tail, see :mod:`kv
 - ``hkivi``: the KVarN paper's "HK" ablation: Hadamard rotation + KIVI.
 - ``varn``: the KVarN paper's "VarN" ablation: variance normalization without rotation.
 - ``fp8``: FP8 e4m3 with an fp16 per-token scale (vLLM's fp8 KV-cache format).
+- ``kvarn-auto``: kvarn's records, with rotation and normalization chosen per (row, layer, KV head)
+  from the prompt (:mod:`kvarn.auto`, :mod:`kvarn.cache.auto`); it reads the prefill's queries, so
+  it needs the model itself (built from a config or None, every layer is KVarN, with a warning);
+  KVarN where a row's prompt is shorter than ``sink_tokens + tile``.
+  :meth:`KVarNCache.flavours` and ``memory_report()["flavours"]`` report the choices.
 
 Two more baselines are transformers' own quantized cache layers (:data:`HF_METHODS`), not kvarn
 codecs: ``hf-quanto`` (``QuantoQuantizedLayer``, optimum-quanto) and ``hf-hqq`` (``HQQQuantizedLayer``,
@@ -41,6 +46,7 @@ count 4 bytes per element), and sliding-window layers as transformers holds them
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from dataclasses import replace, fields as dc_fields
@@ -48,8 +54,10 @@ from dataclasses import replace, fields as dc_fields
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, QuantizedLayer
 
+from ..auto import AutoSettings
 from ..config import KVarNConfig, check_head_dim
 from ..methods import METHODS, Method, TileCodec, get_method
+from .auto import KVarNAutoLayer, install_prompt_capture
 from .layer import KVarNLayer, _memory
 
 logger = logging.getLogger(__name__)
@@ -216,23 +224,34 @@ class KVarNCache(Cache):
         step. Faster on CPU; reported as ``decoded_cache_bytes``, apart from the stored bytes.
     overrides: KVarNConfig fields (``tile``, ``sink_tokens``, ``sinkhorn_iters``,
         ``quantize_sliding_window``, ...).
+    auto: :class:`kvarn.auto.AutoSettings` of ``kvarn-auto`` (decision rule, sampled queries).
     """
 
     def __init__(self, model_or_config=None, method: str = "kvarn", preset: str | KVarNConfig = "k2v2_g128",
-                 *, attention_mask: torch.Tensor | None = None, decoded_cache: bool = False, **overrides):
+                 *, attention_mask: torch.Tensor | None = None, decoded_cache: bool = False,
+                 auto: AutoSettings | None = None, **overrides):
         self.method = _get_any_method(method)
         self._padding = _Padding()
         self._hook = None
         self._model_ref = None
+        self._auto_hooks = []
+        if auto is not None and self.method.name != "kvarn-auto":
+            raise ValueError(f"auto= is only meaningful for method 'kvarn-auto', not {self.method.name!r}")
+        if self.method.name == "kvarn-auto" and not isinstance(model_or_config, torch.nn.Module):
+            logger.warning("kvarn-auto without the model (a config or None) cannot see the prefill's queries: "
+                           "every layer uses KVarN unless its observe_prompt() is called")
         if self.method.name in HF_METHODS:
             self._init_hf(model_or_config, preset, overrides, attention_mask)
             return
         self.config = _make_config(preset, overrides)
         self.codec = TileCodec(self.method, self.config)
+        layer_cls = KVarNLayer
+        if self.method.name == "kvarn-auto":
+            layer_cls = functools.partial(KVarNAutoLayer, settings=auto or AutoSettings())
         if attention_mask is not None:
             self._padding.pads = pads_from_mask(attention_mask)
         if model_or_config is None:
-            super().__init__(layer_class_to_replicate=lambda: KVarNLayer(self.codec, self._padding,
+            super().__init__(layer_class_to_replicate=lambda: layer_cls(self.codec, self._padding,
                                                                          decoded_cache=decoded_cache))
             return
         text = _text_config(model_or_config)
@@ -241,7 +260,7 @@ class KVarNCache(Cache):
             if kind in SLIDING_TYPES and not self.config.quantize_sliding_window:
                 layers.append(DynamicSlidingWindowLayer(sliding_window=window))
             else:
-                layers.append(KVarNLayer(self.codec, self._padding, is_sliding=kind in SLIDING_TYPES,
+                layers.append(layer_cls(self.codec, self._padding, is_sliding=kind in SLIDING_TYPES,
                                          decoded_cache=decoded_cache))
         head_dim = getattr(text, "head_dim", None)
         if head_dim is None and getattr(text, "num_attention_heads", None):
@@ -253,6 +272,11 @@ class KVarNCache(Cache):
             self._model_ref = weakref.ref(model_or_config)
             if attention_mask is None:
                 self._install_hook()
+            if self.method.name == "kvarn-auto":
+                self._auto_hooks = install_prompt_capture(model_or_config, self)
+                for layer in self.layers:
+                    if isinstance(layer, KVarNAutoLayer):
+                        layer.expects_queries = True
 
     def _init_hf(self, model_or_config, preset, overrides, attention_mask) -> None:
         """Layers of transformers' quantized cache (``hf-quanto`` / ``hf-hqq``): no sink, no tiles."""
@@ -320,6 +344,11 @@ class KVarNCache(Cache):
             if isinstance(layer, KVarNLayer) and layer.is_initialized:
                 layer.freeze()
 
+    def flavours(self) -> dict[int, list[dict] | None]:
+        """kvarn-auto: per quantized layer, per row, ``decided`` and each KV head's flavour name
+        (:meth:`kvarn.flavour.Flavours.names`); None for a layer that has not decided yet. {} otherwise."""
+        return {i: layer.flavours() for i, layer in enumerate(self.layers) if isinstance(layer, KVarNAutoLayer)}
+
     def memory_report(self) -> dict:
         """Bytes actually stored, per layer and in total.
 
@@ -353,8 +382,9 @@ class KVarNCache(Cache):
         total = _memory(sums["quantized_bytes"], sums["full_precision_bytes"], sums["tokens"],
                         sums["fp16_equivalent_bytes"], sums["reserved_bytes"], sums["quantized_tiles"],
                         sums["decoded_cache_bytes"])
+        auto = {"flavours": self.flavours()} if self.method.name == "kvarn-auto" else {}
         return {"method": self.method.name, "preset": self.config.name,
-                "sink_tokens": self.config.sink_tokens, "total": total, "layers": layers}
+                "sink_tokens": self.config.sink_tokens, "total": total, "layers": layers, **auto}
 
     def __repr__(self):
         return f"KVarNCache(method={self.method.name!r}, config={self.config!r}, layers={len(self.layers)})"

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from ..codec import FIELD_ORDER, TileFields
-from ..methods import EncodedKV, TileCodec
+from ..flavour import Flavours
+from ..methods import RECORD_METHODS, EncodedKV, TileCodec
 
 _FLOAT_FIELDS = ("k_fp8", "k_scale", "v_fp8", "v_scale")
 
@@ -66,7 +67,8 @@ def device_index(values: list[int], device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-def _join(fields: dict[str, torch.Tensor], enc_template: EncodedKV, shape: tuple[int, ...]) -> EncodedKV:
+def _join(fields: dict[str, torch.Tensor], enc_template: EncodedKV, shape: tuple[int, ...],
+          flavours: Flavours | None = None) -> EncodedKV:
     """Fields ``[B, Hk, n, *per_tile]`` -> EncodedKV of ``[B, Hk, n*G, D]`` (for TileCodec.decode)."""
     b, h, t, _ = shape
     if enc_template.tiles is not None:
@@ -75,7 +77,7 @@ def _join(fields: dict[str, torch.Tensor], enc_template: EncodedKV, shape: tuple
             if name not in full:  # the unit column scales that were not stored
                 like = getattr(enc_template.tiles, name)
                 full[name] = like.new_ones(b, h, t // enc_template.shape[2], like.shape[-1])
-        return EncodedKV(enc_template.method, shape, 0, tiles=TileFields(**full))
+        return EncodedKV(enc_template.method, shape, 0, tiles=TileFields(**full), flavours=flavours)
     flat = {name: x.reshape(b, h, t, *x.shape[4:]) for name, x in fields.items()}
     return EncodedKV(enc_template.method, shape, 0, **flat)
 
@@ -96,6 +98,8 @@ class TileStore:
         self.fields: dict[str, torch.Tensor] | None = None
         self._template: EncodedKV | None = None
         self.capacity = 0
+        # kvarn-auto: per-(row, KV head) flavours [B, Hk], fixed before the first tile is encoded.
+        self.flavours: Flavours | None = None
 
     # stored bytes -------------------------------------------------------------------------------
     def bytes_per_tile_head(self) -> int:
@@ -103,7 +107,7 @@ class TileStore:
         if self.fields is None:
             return 0
         raw = sum(x[0, 0, 0].numel() * x.element_size() for x in self.fields.values())
-        if self.codec.method.name == "kvarn":
+        if self.codec.method.name in RECORD_METHODS:
             return self.codec.config.record_bytes(self.head_dim)
         return raw
 
@@ -147,7 +151,10 @@ class TileStore:
 
         keys, values: ``[M, Hk, G, D]`` in the model frame and dtype.
         """
-        enc = self.codec.encode(keys, values)
+        flavours = None
+        if self.flavours is not None:
+            flavours = self.flavours.select(torch.tensor(rows, device=self.flavours.key_rotate.device))
+        enc = self.codec.encode(keys, values, flavours)
         new = {name: x[:, :, 0] for name, x in _split(enc, self.codec.config.tile).items()}
         self._first_write(enc, new)
         slots = []
@@ -229,7 +236,7 @@ class TileStore:
         if self.decoded_cache:
             return self._dec[0][:, :, : n * g], self._dec[1][:, :, : n * g]
         view = {name: x[:, :, :n] for name, x in self.fields.items()}
-        return self.codec.decode(_join(view, self._template, shape))
+        return self.codec.decode(_join(view, self._template, shape, self.flavours))
 
     def view(self) -> dict[str, torch.Tensor]:
         """Read-only views of the used slots: fields ``[B, Hk, max(count), *per_tile]``."""
@@ -244,6 +251,8 @@ class TileStore:
         idx = index.tolist()
         self.counts = [self.counts[i] for i in idx]
         self.batch = len(idx)
+        if self.flavours is not None:
+            self.flavours = self.flavours.select(index)
         if self.fields is not None:
             index = index.to(self.device)
             self.fields = {name: x.index_select(0, index) for name, x in self.fields.items()}

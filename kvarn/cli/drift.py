@@ -30,6 +30,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--record", type=int, default=None, help="JSONL record index (default: all records joined)")
     p.add_argument("--tokens", type=int, default=2048, help="token budget (rounded down to whole chunks)")
     p.add_argument("--chunk", type=int, default=None, help="tokens per pseudo-decode chunk (default: the tile)")
+    p.add_argument("--prefill", type=int, default=None,
+                   help="tokens of the first, exact pass, like a prompt (default: one chunk); kvarn-auto decides from it")
+    p.add_argument("--auto-rules", type=_csv, default=None,
+                   help="kvarn-auto decision rules to run, comma-separated: a2, a3, n2, each optionally @margin (default: a2)")
     p.add_argument("--methods", type=_csv, default=None, help="comma-separated methods (default: all)")
     p.add_argument("--presets", type=_csv, default=None, help="comma-separated presets (default: k2v2_g128,k4v2_g128)")
     p.add_argument("--sink-tokens", type=int, default=None, help="full-precision sink S (default: one tile)")
@@ -54,7 +58,7 @@ def _main(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    specs = parse_specs(args.methods, args.presets)
+    specs = parse_specs(args.methods, args.presets, args.auto_rules)
     tile = KVarNConfig.from_name(specs[0].preset).tile
     chunk = args.chunk or tile
     text = load_text(args.text, args.field, args.record)
@@ -67,7 +71,7 @@ def _main(args) -> int:
         model, input_ids, specs, args.out, model_name=str(args.model), chunk=chunk,
         sink_tokens=args.sink_tokens, quantize_sliding_window=args.quantize_sliding_window,
         prompt_tokens=args.prompt_tokens if args.new_tokens else 0, new_tokens=args.new_tokens,
-        tokenizer=tokenizer, progress=not args.no_progress, plots=not args.no_plots,
+        tokenizer=tokenizer, progress=not args.no_progress, plots=not args.no_plots, prefill=args.prefill,
         extra={"text": {"path": str(args.text), "field": args.field, "record": args.record, "bos": bos}},
     )
     log.info("fp16 perplexity %.3f; results in %s", doc["fp16_perplexity"], args.out)

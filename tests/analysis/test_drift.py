@@ -96,3 +96,36 @@ def test_bad_inputs(tiny_llama, tiny_ids):
         pseudo_decode(tiny_llama, tiny_ids[0], [MethodSpec("kivi", "k2v2_g64")], progress=False)
     with pytest.raises(ValueError, match="layers"):
         pseudo_decode(tiny_llama, tiny_ids, [MethodSpec("kivi", "k2v2_g64")], layers=[7], progress=False)
+
+
+def test_kvarn_auto_decides_from_the_prefill(tiny_llama, tiny_ids):
+    specs = parse_specs(["kvarn", "kvarn-auto"], ["k2v2_g64"], auto_rules=["a2", "a3"])
+    assert [s.key for s in specs] == ["kvarn:k2v2_g64", "kvarn-auto:k2v2_g64", "kvarn-auto-a3:k2v2_g64"]
+    run = pseudo_decode(tiny_llama, tiny_ids, specs, prefill=192, progress=False)
+    assert run.positions == [192, 256] and run.prefill == 192 and run.chunk_targets == [192, 63]
+    diag = run.prompt_diagnostics["k2v2_g64"]
+    assert sorted(diag) == [0, 1, 2]
+    for d in diag.values():  # per KV head: rotated / unrotated key logit error and the correlation
+        assert len(d["key_logit_error_rotated"]) == 2 and len(d["log_key_variance_vs_log_query_energy_corr"]) == 2
+        assert all(x > 0 for x in d["key_logit_error_rotated"] + d["key_logit_error_unrotated"])
+    for key in ("kvarn-auto:k2v2_g64", "kvarn-auto-a3:k2v2_g64"):
+        r = run.methods[key]
+        assert sorted(r.decisions) == [0, 1, 2] and all(d["decided"] for d in r.decisions.values())
+        assert r.kl[0] == 0.0 and r.kl[1] > 0  # the prefill is exact, the next chunk reads quantized tiles
+    # the default rule's choices are the diagnostics' (same scores, same argmin)
+    a2 = run.methods["kvarn-auto:k2v2_g64"].decisions
+    assert all(a2[i]["key_rotate"] == diag[i]["key_rotate"] for i in diag)
+    assert run.methods["kvarn:k2v2_g64"].decisions is None
+
+
+def test_kvarn_auto_free_run_uses_the_prompt(tiny_llama, tiny_ids):
+    specs = [MethodSpec("kvarn", "k2v2_g64"), MethodSpec("kvarn-auto", "k2v2_g64")]
+    _, runs = free_run(tiny_llama, tiny_ids[:, :160], specs, n_tokens=8, progress=False)
+    assert min(runs["kvarn-auto:k2v2_g64"].kl[1:]) > 0
+
+
+def test_rule_needs_kvarn_auto():
+    with pytest.raises(ValueError, match="only meaningful for method 'kvarn-auto'"):
+        MethodSpec("kvarn", "k2v2_g64", rule="a3")
+    with pytest.raises(ValueError, match="rule"):
+        MethodSpec("kvarn-auto", "k2v2_g64", rule="a7")

@@ -39,6 +39,14 @@ def test_flag_selects_preset_and_options():
     assert "kvarn_k4v2_g128" in kv_cache_dtype_names()
 
 
+def test_kvarn_auto_is_refused_naming_the_supported_methods():
+    cfg = _VllmConfig({"kvarn": {"preset": "k2v2_g128", "method": "kvarn-auto"}})
+    with pytest.raises(ValueError, match=r"method='kvarn-auto' is not supported.*\['kvarn'\]"):
+        settings_from_vllm_config(cfg)
+    ok = _VllmConfig({"kvarn": {"preset": "k2v2_g128", "method": "kvarn"}})
+    assert settings_from_vllm_config(ok).config.name == "k2v2_g128"
+
+
 @pytest.mark.parametrize("bad", [{"kvarn": {"preset": "k3v3"}}, {"kvarn": {"tile": 64}}, {"kvarn": {"kernels": "cuda"}},
                                  {"kvarn": {"staging_slots": 0}}, {"kvarn": {"stale_steps": 64}}])
 def test_flag_rejects_bad_values(bad):

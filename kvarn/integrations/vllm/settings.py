@@ -11,7 +11,9 @@ Optional keys of the ``kvarn`` entry: ``sink_tokens`` (S, a multiple of G; defau
 ``sinkhorn_iters`` (T), ``quantize_sliding_window`` (default false), ``kernels`` ("auto": Triton on
 CUDA tensors and the torch reference elsewhere, logged once; or "torch" / "triton"),
 ``staging_slots`` (full-precision staging slots per layer; default sized from the scheduler limits,
-see :func:`kvarn.integrations.vllm.staging.staging_slots`).
+see :func:`kvarn.integrations.vllm.staging.staging_slots`), ``method`` (only ``"kvarn"``: kvarn-auto
+decides from the prefill's queries, which this backend does not hand to the cache; it is refused
+with a clear error).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ DEFAULT_PRESET = "k4v2_g128"
 KV_CACHE_DTYPE_PREFIX = "kvarn_"
 _KERNELS = ("auto", "torch", "triton")
 _CONFIG_KEYS = ("sink_tokens", "sinkhorn_iters", "quantize_sliding_window")
+SUPPORTED_METHODS = ("kvarn",)
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,13 @@ def _entry(vllm_config) -> dict | None:
         return {"preset": entry}
     if not isinstance(entry, dict):
         raise TypeError(f"additional_config['kvarn'] must be a dict (or a preset name), got {type(entry).__name__}")
-    unknown = set(entry) - {"preset", "kernels", "staging_slots", *_CONFIG_KEYS}
+    unknown = set(entry) - {"preset", "kernels", "staging_slots", "method", *_CONFIG_KEYS}
     if unknown:
         raise ValueError(f"unknown keys {sorted(unknown)} in additional_config['kvarn']")
+    method = entry.get("method", "kvarn")
+    if method not in SUPPORTED_METHODS:
+        raise ValueError(f"kvarn method={method!r} is not supported by the vLLM backend; supported methods: "
+                         f"{list(SUPPORTED_METHODS)} (kvarn-auto runs in transformers through kvarn.KVarNCache)")
     return entry
 
 

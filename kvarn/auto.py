@@ -1,0 +1,225 @@
+"""kvarn-auto: the flavour of every (row, KV head) of a layer, chosen once from the prompt.
+
+No calibration data: the choice uses only what the cache sees at prefill, the prompt's own queries,
+keys (after RoPE) and values. For one row and one KV head, with ``S`` sink tokens, tile ``G`` and
+``n = (T - S) // G`` full tiles past the sink (the tiles that will be frozen right after the prefill):
+
+1. Trial-quantize those tiles with each candidate flavour (:mod:`kvarn.flavour`): for a candidate
+   ``c``, ``e_j = k_j - k^_j`` and ``f_j = v_j - v^_j`` for every quantized position ``j``.
+2. Key score: the mean logit error ``|q_i . e_j| * scale`` over the causal pairs ``j <= i`` of the
+   prompt, over the query heads that read this KV head. This is what a key error costs attention:
+   queries that put their energy where keys vary least (Gemma-3's global layers) are served best
+   by per-channel quantization in the model frame, which the rotation would spread error into.
+3. Value score: the attention-weighted output error ``mean_i |sum_j p_ij f_j|``, with the exact
+   prompt attention ``p = softmax(q K^T * scale)`` (causal, sink included).
+4. Rule ``"a2"`` (default): keys choose KVarN (rotated) or VarN (model frame), both normalized;
+   values choose among {rotation on/off} x {normalization on/off}. Rule ``"a3"``: keys also choose
+   among all four. Rule ``"n2"``: normalization stays on for keys and values, only the rotation
+   is chosen for each. Ties go to KVarN; with ``margin`` m > 0, another flavour must beat KVarN's
+   score by the fraction m (score < (1 - m) x KVarN's) to be chosen.
+
+Cost: queries are sampled at ``max_queries`` evenly spaced positions past the sink, so one score is
+``Hq * max_queries * T * D`` multiply-adds, like one attention pass of ``max_queries`` tokens.
+
+Fallback: a row whose prompt has no full tile past the sink (``T < S + G``) keeps the spec's KVarN on
+every head (``decided = False``); so does a layer that never saw its prompt's queries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import KVarNConfig
+from .flavour import NAMED, OPTIONS, Flavours, roundtrip_flavoured
+
+RULES = ("a2", "a3", "n2")
+QUERY_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    """How kvarn-auto decides. rule: one of :data:`RULES` (module docstring); margin: the fraction
+    by which a flavour must beat KVarN's score, in [0, 1); max_queries: query positions sampled per
+    row (>= 1)."""
+
+    rule: str = "a2"
+    margin: float = 0.0
+    max_queries: int = 256
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"kvarn-auto rule={self.rule!r}; choose one of {list(RULES)}")
+        if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 1.0):
+            raise ValueError(f"kvarn-auto margin={self.margin!r} must be a number in [0, 1)")
+        if not isinstance(self.max_queries, int) or self.max_queries < 1:
+            raise ValueError(f"kvarn-auto max_queries={self.max_queries!r} must be an integer >= 1")
+
+    @classmethod
+    def parse(cls, text: str) -> "AutoSettings":
+        """``"<rule>"`` or ``"<rule>@<margin>"`` (for example ``"n2@0.1"``), as the CLI takes it."""
+        rule, _, margin = text.partition("@")
+        try:
+            return cls(rule=rule, margin=float(margin) if margin else 0.0)
+        except ValueError as exc:
+            raise ValueError(f"kvarn-auto rule {text!r}: {exc}") from None
+
+    @property
+    def name(self) -> str:
+        return self.rule if not self.margin else f"{self.rule}@{self.margin:g}"
+
+
+def _choose(scores: torch.Tensor, candidates: int, margin: float) -> torch.Tensor:
+    """Index of the best of the first ``candidates`` columns of ``scores [Hk, 4]``; column 0 (KVarN)
+    unless another is lower than ``(1 - margin)`` times it."""
+    sc = scores[:, :candidates].clone()
+    sc[:, 1:] = sc[:, 1:] / (1.0 - margin)
+    return sc.argmin(-1)  # ties: the first candidate, KVarN
+
+
+@dataclass
+class RowDecision:
+    """The decision of one row of one layer; per-head tensors are ``[Hk]`` (scores ``[Hk, 4]``,
+    columns in :data:`kvarn.flavour.OPTIONS` order: RN, -N, R-, --)."""
+
+    decided: bool
+    key_rotate: torch.Tensor
+    key_normalize: torch.Tensor
+    value_rotate: torch.Tensor
+    value_normalize: torch.Tensor
+    key_logit_error: torch.Tensor | None = None
+    value_output_error: torch.Tensor | None = None
+    variance_energy_corr: torch.Tensor | None = None
+    prompt_tokens: int = 0
+
+    def summary(self) -> dict:
+        """JSON-ready: flags, and per head the rotated/unrotated key logit errors and correlation."""
+        out = {"decided": self.decided, "prompt_tokens": self.prompt_tokens}
+        for name in ("key_rotate", "key_normalize", "value_rotate", "value_normalize"):
+            out[name] = getattr(self, name).tolist()
+        if self.key_logit_error is not None:
+            out["key_logit_error_rotated"] = self.key_logit_error[:, 0].tolist()
+            out["key_logit_error_unrotated"] = self.key_logit_error[:, 1].tolist()
+            out["key_logit_error"] = self.key_logit_error.tolist()
+            out["value_output_error"] = self.value_output_error.tolist()
+            out["log_key_variance_vs_log_query_energy_corr"] = self.variance_energy_corr.tolist()
+        return out
+
+
+def fallback(heads: int, prompt_tokens: int = 0, device=None) -> RowDecision:
+    """KVarN on every head: the spec's method, for prompts too short to decide."""
+    f = [torch.full((heads,), x, dtype=torch.bool, device=device) for x in NAMED["kvarn"]]
+    return RowDecision(False, *f, prompt_tokens=prompt_tokens)
+
+
+def _log_corr(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Pearson correlation of ``log x`` and ``log y`` along the last axis. x, y: ``[H, D]`` > 0."""
+    a = torch.log(x.clamp_min(1e-20))
+    b = torch.log(y.clamp_min(1e-20))
+    a, b = a - a.mean(-1, keepdim=True), b - b.mean(-1, keepdim=True)
+    return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-20)
+
+
+@torch.no_grad()
+def decide_row(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, config: KVarNConfig,
+    settings: AutoSettings = AutoSettings(), scaling: float | None = None,
+) -> RowDecision:
+    """The flavour of each KV head of one row from its prompt.
+
+    query: ``[Hq, T, D]`` (after RoPE), keys, values: ``[Hk, T, D]``: the row's real prompt tokens.
+    scaling: the attention's softmax scale (default ``1 / sqrt(D)``).
+    """
+    hq, t, d = query.shape
+    hk = keys.shape[0]
+    if keys.shape != (hk, t, d) or values.shape != keys.shape or hq % hk:
+        raise ValueError(f"query {tuple(query.shape)} and keys {tuple(keys.shape)} / values "
+                         f"{tuple(values.shape)} must be [Hq, T, D] and [Hk, T, D] with Hk dividing Hq")
+    s, g = config.sink_tokens, config.tile
+    n = (t - s) // g if t > s else 0
+    if n < 1:
+        return fallback(hk, t, keys.device)
+    scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
+    q = query.to(torch.float32)
+    k, v = keys.to(torch.float32), values.to(torch.float32)
+    body = slice(s, s + n * g)
+
+    # Trial quantization: candidate c uses option c for both K and V (four round trips).
+    k_err, v_err = [], []
+    for rot, norm in OPTIONS:
+        fl = Flavours(*(torch.full((1, hk), x, dtype=torch.bool, device=k.device) for x in (rot, norm, rot, norm)))
+        kh, vh = roundtrip_flavoured(k[None, :, body], v[None, :, body], fl, config)
+        k_err.append(k[:, body] - kh[0])
+        v_err.append(v[:, body] - vh[0])
+
+    # Sampled query positions past the sink, each seeing the quantized keys j <= i.
+    nq = min(settings.max_queries, t - s)
+    pos = torch.linspace(s, t - 1, nq, device=k.device).round().long().unique()
+    grp = hq // hk
+    key_pos = torch.arange(s, s + n * g, device=k.device)
+    all_pos = torch.arange(t, device=k.device)
+    key_sum = k.new_zeros(hk, len(OPTIONS))
+    value_sum = k.new_zeros(hk, len(OPTIONS))
+    pairs = 0.0
+    # Blocks of queries bound the [Hk, grp, block, T] intermediates on long prompts.
+    for block in pos.split(QUERY_BLOCK):
+        qs = q[:, block].reshape(hk, grp, len(block), d)  # [Hk, grp, nb, D]
+        causal_body = (key_pos[None, :] <= block[:, None]).to(torch.float32)  # [nb, nK]
+        pairs += float(causal_body.sum()) * grp
+        for c, e in enumerate(k_err):
+            logit = (qs @ e[:, None].transpose(-1, -2)).abs() * scale  # [Hk, grp, nb, nK]
+            key_sum[:, c] += (logit * causal_body).sum(dim=(1, 2, 3))
+        visible = all_pos[None, :] <= block[:, None]  # [nb, T]
+        logits = (qs @ k[:, None].transpose(-1, -2)) * scale
+        p = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)[..., body]  # [Hk, grp, nb, nK]
+        for c, f in enumerate(v_err):
+            value_sum[:, c] += (p @ f[:, None]).abs().sum(dim=(1, 2, 3))
+    key_scores = key_sum / pairs  # [Hk, 4]: mean over causal (query, key) pairs and query heads
+    value_scores = value_sum / (grp * len(pos) * d)  # [Hk, 4]: mean over queries, heads, channels
+
+    ki = _choose(key_scores, 4 if settings.rule == "a3" else 2, settings.margin)
+    vi = _choose(value_scores, 2 if settings.rule == "n2" else 4, settings.margin)
+    opt = torch.tensor(OPTIONS, dtype=torch.bool, device=k.device)  # [4, 2]
+
+    energy = (q.reshape(hk, grp, t, d)[:, :, s:] ** 2).mean(dim=(1, 2))  # [Hk, D]
+    variance = k[:, s:].var(dim=1)  # [Hk, D]
+    return RowDecision(
+        True, opt[ki, 0], opt[ki, 1], opt[vi, 0], opt[vi, 1],
+        key_logit_error=key_scores.cpu(), value_output_error=value_scores.cpu(),
+        variance_energy_corr=_log_corr(variance, energy).cpu(), prompt_tokens=t,
+    )
+
+
+@dataclass
+class LayerDecision:
+    """The rows' decisions of one layer, and their flags as :class:`Flavours` ``[B, Hk]``."""
+
+    rows: list[RowDecision] = field(default_factory=list)
+
+    @property
+    def flavours(self) -> Flavours:
+        return Flavours(*(torch.stack([getattr(r, n) for r in self.rows]) for n in
+                          ("key_rotate", "key_normalize", "value_rotate", "value_normalize")))
+
+    def select(self, index: list[int]) -> "LayerDecision":
+        return LayerDecision([self.rows[i] for i in index])
+
+
+def decide(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, config: KVarNConfig,
+    pads: list[int] | None = None, settings: AutoSettings = AutoSettings(), scaling: float | None = None,
+) -> LayerDecision:
+    """Every row of a (left-padded) batch decides alone from its own real tokens.
+
+    query: ``[B, Hq, L, D]``, keys, values: ``[B, Hk, L, D]``; pads: left-padding slots per row.
+    """
+    b = query.shape[0]
+    pads = [0] * b if pads is None else list(pads)
+    if len(pads) != b or keys.shape[0] != b or values.shape[0] != b:
+        raise ValueError(f"query, keys, values and pads must all have the batch size {b}")
+    return LayerDecision([
+        decide_row(query[i, :, p:], keys[i, :, p:], values[i, :, p:], config, settings, scaling)
+        for i, p in enumerate(pads)
+    ])

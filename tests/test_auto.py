@@ -1,0 +1,162 @@
+"""kvarn-auto: the per-head flavour codec and the prompt decision (constructed cases)."""
+
+import pytest
+import torch
+
+from kvarn.auto import AutoSettings, decide, decide_row
+from kvarn.codec import encode_tiles, kv_to_tiles, rotate_kv
+from kvarn.config import KVarNConfig
+from kvarn.flavour import NAMED, Flavours, decode_flavoured, encode_flavoured
+from kvarn.methods import TileCodec
+
+CFG = KVarNConfig(key_bits=2, value_bits=2, tile=32, sink_tokens=32)
+D = 64
+
+
+def _aligned_case(query_on_high_variance: bool, t: int = 32 + 4 * 32, hq: int = 2, seed: int = 0, high: int = 4):
+    """One KV head whose keys vary a lot on ``high`` channels and little on the others.
+
+    The queries put their energy on the high-variance channels or on the low-variance ones.
+    """
+    g = torch.Generator().manual_seed(seed)
+    std = torch.full((D,), 0.05)
+    std[:high] = 8.0
+    mean = torch.zeros(D)
+    mean[high:] = 3.0  # low-variance channels carry a large constant part, as k-normed keys do
+    keys = mean + std * torch.randn(1, t, D, generator=g)
+    values = torch.randn(1, t, D, generator=g)
+    energy = torch.zeros(D)
+    if query_on_high_variance:
+        energy[:high] = 1.0
+    else:
+        energy[high:] = 1.0
+    query = energy * torch.randn(hq, t, D, generator=g)
+    return query, keys, values
+
+
+def test_low_variance_alignment_picks_unrotated_keys():
+    q, k, v = _aligned_case(query_on_high_variance=False)
+    for rule in ("a2", "a3"):
+        d = decide_row(q, k, v, CFG, AutoSettings(rule=rule))
+        assert d.decided and not bool(d.key_rotate[0]), rule
+        rot, unrot = d.key_logit_error[0, 0], d.key_logit_error[0, 1]
+        assert rot > 1.5 * unrot  # the rotation spreads the large channels' error where queries look
+
+
+def test_high_variance_alignment_picks_rotated_keys():
+    # Queries on 8 high-variance channels: per-channel error concentrates where they look unless the
+    # rotation spreads it (with only one or two such channels it does not win in this construction).
+    q, k, v = _aligned_case(query_on_high_variance=True, high=8)
+    d = decide_row(q, k, v, CFG, AutoSettings(rule="a2"))
+    assert d.decided and bool(d.key_rotate[0]) and bool(d.key_normalize[0])
+    assert d.key_logit_error[0, 0] < d.key_logit_error[0, 1]
+
+
+def test_rule_n2_and_the_margin():
+    q, k, v = _aligned_case(False)
+    n2 = decide_row(q, k, v, CFG, AutoSettings(rule="n2"))
+    assert not bool(n2.key_rotate[0]) and bool(n2.key_normalize[0]) and bool(n2.value_normalize[0])
+    ratio = float(n2.key_logit_error[0, 0] / n2.key_logit_error[0, 1])  # ~2: rotated is worse
+    assert not bool(decide_row(q, k, v, CFG, AutoSettings(margin=0.9 * (1 - 1 / ratio))).key_rotate[0])
+    kept = decide_row(q, k, v, CFG, AutoSettings(margin=1.1 * (1 - 1 / ratio)))
+    assert bool(kept.key_rotate[0])  # a gain smaller than the margin keeps KVarN's rotated keys
+    assert AutoSettings.parse("n2@0.1") == AutoSettings(rule="n2", margin=0.1)
+    assert AutoSettings.parse("n2@0.1").name == "n2@0.1" and AutoSettings.parse("a3").name == "a3"
+    with pytest.raises(ValueError, match="margin"):
+        AutoSettings.parse("a2@1.5")
+    with pytest.raises(ValueError, match="rule"):
+        AutoSettings.parse("b2@0.1")
+
+
+def test_correlation_sign_follows_the_alignment():
+    low = decide_row(*_aligned_case(False), CFG)
+    high = decide_row(*_aligned_case(True, high=8), CFG)
+    assert low.variance_energy_corr[0] < -0.5 < 0.5 < high.variance_energy_corr[0]
+
+
+@pytest.mark.parametrize("t", [1, 32, 63])
+def test_short_prompt_falls_back_to_kvarn(t):
+    q, k, v = _aligned_case(False, t=t)
+    d = decide_row(q, k, v, CFG)
+    assert not d.decided and d.prompt_tokens == t
+    flags = (d.key_rotate, d.key_normalize, d.value_rotate, d.value_normalize)
+    assert all(bool(f.all()) for f in flags) and d.key_logit_error is None
+
+
+def test_left_padded_batch_each_row_decides_alone():
+    q0, k0, v0 = _aligned_case(False, t=160, seed=1)
+    q1, k1, v1 = _aligned_case(True, t=100, seed=2)  # 100 = sink + 2 tiles + 4
+    pad = 60
+    lead = lambda x: torch.cat([torch.full((x.shape[0], pad, D), 7.0), x], dim=1)  # noqa: E731
+    q = torch.stack([q0, lead(q1)])
+    k = torch.stack([k0, lead(k1)])
+    v = torch.stack([v0, lead(v1)])
+    out = decide(q, k, v, CFG, pads=[0, pad])
+    for i, (qq, kk, vv) in enumerate(((q0, k0, v0), (q1, k1, v1))):
+        alone = decide_row(qq, kk, vv, CFG)
+        got = out.rows[i]
+        assert got.prompt_tokens == kk.shape[1]
+        torch.testing.assert_close(got.key_logit_error, alone.key_logit_error)
+        assert torch.equal(got.key_rotate, alone.key_rotate)
+    assert out.flavours.key_rotate.tolist() == [[False], [True]]
+    short = decide(q[:, :, :80], k[:, :, :80], v[:, :, :80], CFG, pads=[0, pad])  # row 1 keeps 20 tokens
+    assert [r.decided for r in short.rows] == [True, False]
+
+
+def _kv(m=2, h=3, n=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = n * CFG.tile
+    k = torch.randn(m, h, t, D, generator=g) * (1 + 4 * torch.rand(1, 1, 1, D, generator=g))
+    return k, torch.randn(m, h, t, D, generator=g)
+
+
+def test_kvarn_flavour_is_the_spec_codec_bit_for_bit():
+    k, v = _kv()
+    fl = Flavours.named("kvarn", 2, 3)
+    got = encode_flavoured(k, v, fl, CFG)
+    ref = encode_tiles(*kv_to_tiles(rotate_kv(k, CFG), rotate_kv(v, CFG), CFG.tile), CFG)
+    for name in ("k_codes", "k_row_scale", "k_row_zero", "k_col_scale", "v_codes", "v_col_scale", "v_row_scale"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    a = TileCodec("kvarn-auto", CFG).encode(k, v).tiles
+    b = TileCodec("kvarn", CFG).encode(k, v).tiles
+    assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("k_codes", "k_row_scale", "v_codes", "v_row_zero"))
+
+
+def test_mixed_flavours_match_each_named_flavour_per_head():
+    k, v = _kv(m=2, h=4)
+    names = [["kvarn", "varn", "hkivi", "kivi"], ["kivi", "kvarn", "varn", "hkivi"]]
+    flags = [[NAMED[n] for n in row] for row in names]
+    fl = Flavours(*(torch.tensor([[f[i] for f in row] for row in flags]) for i in range(4)))
+    assert fl.names() == names
+    tiles = encode_flavoured(k, v, fl, CFG)
+    dk, dv = decode_flavoured(tiles, fl, CFG)
+    for b in range(2):
+        for h in range(4):
+            one = Flavours.named(names[b][h], 1, 1)
+            t1 = encode_flavoured(k[b:b + 1, h:h + 1], v[b:b + 1, h:h + 1], one, CFG)
+            assert torch.equal(tiles.k_codes[b, h], t1.k_codes[0, 0])
+            assert torch.equal(tiles.v_row_scale[b, h], t1.v_row_scale[0, 0])
+            if not NAMED[names[b][h]][1]:  # no normalization: unit column scales, exactly
+                assert bool((tiles.k_col_scale[b, h] == 1).all()) and bool((tiles.v_col_scale[b, h] == 1).all())
+    # dequantized in the model frame whatever the flavour: a 2-bit round trip, not a rotated copy
+    rel = (dk - k).norm() / k.norm()
+    assert rel < 0.6 and (dv - v).norm() / v.norm() < 0.6
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="rule"):
+        AutoSettings(rule="a9")
+    with pytest.raises(ValueError, match="max_queries"):
+        AutoSettings(max_queries=0)
+    with pytest.raises(ValueError, match="unknown flavour"):
+        Flavours.named("quarot", 1, 1)
+    with pytest.raises(ValueError, match="bool tensor"):
+        Flavours(torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 3, dtype=torch.bool),
+                 torch.ones(1, 2, dtype=torch.bool), torch.ones(1, 2, dtype=torch.bool))
+    k, v = _kv()
+    with pytest.raises(ValueError, match="only meaningful for method 'kvarn-auto'"):
+        TileCodec("kvarn", CFG).encode(k, v, Flavours.named("kvarn", 2, 3))
+    with pytest.raises(ValueError, match=r"\[M, Hk\]"):
+        encode_flavoured(k, v, Flavours.named("kvarn", 1, 3), CFG)
+    with pytest.raises(ValueError, match="Hk dividing Hq"):
+        decide_row(torch.randn(3, 64, D), torch.randn(2, 64, D), torch.randn(2, 64, D), CFG)
