@@ -228,8 +228,9 @@ def _lengths(x, full, batch, device):
 def _flags(x, name, b, hk, device):
     if x is None:
         return None
-    if not isinstance(x, torch.Tensor) or tuple(x.shape) != (b, hk):
-        raise ValueError(f"{name} must be a bool tensor [B={b}, Hk={hk}], got {getattr(x, 'shape', x)}")
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bool or tuple(x.shape) != (b, hk):
+        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a bool tensor [B={b}, Hk={hk}] or None, got {got}")
     return x.to(device=device, dtype=torch.int8).contiguous()
 
 

@@ -101,3 +101,27 @@ def test_decode_full_model_frame_bf16(name):
                    tile_counts=torch.tensor([40, 0, 17, 39], device="cuda"),
                    tail_lengths=torch.tensor([cfg.tile - 1, 1, 30, 2], device="cuda"))
     check(q, to_model(sk), to_model(sv), tiles, to_model(tk), to_model(tv), cfg, fp_frame="model", **lengths)
+
+
+@pytest.mark.parametrize("fp_frame", ["rotated", "model"])
+def test_decode_mixed_head_frames(fp_frame, kdevice):
+    """kvarn-auto flags: per (row, KV head) keys and values in the rotated or the model frame."""
+    cfg = KVarNConfig(key_bits=2, value_bits=4, tile=64)
+    sk, sv, tiles, tk, tv, _, _ = history(2, 3, 2, 64, cfg, kdevice, tail=6, seed=5)
+    q = torch.randn(2, 6, 1, 64, device=kdevice).half()
+    flags = dict(key_rotated=torch.tensor([[True, False, True], [False, False, True]], device=kdevice),
+                 value_rotated=torch.tensor([[False, True, True], [True, False, False]], device=kdevice))
+    e, _ = check(q, sk, sv, tiles, tk, tv, cfg, num_splits=2, fp_frame=fp_frame, **flags)
+    # The flags change the result (a twin that ignored them would not match the kernel).
+    plain = torch_decode(q.float(), sk, sv, tiles, tk, tv, cfg, fp_frame=fp_frame)
+    assert rel_err(plain, torch_decode(q.float(), sk, sv, tiles, tk, tv, cfg, fp_frame=fp_frame, **flags)) > 0.1
+
+
+def test_decode_head_frame_flags_are_checked(kdevice):
+    cfg = KVarNConfig(tile=64)
+    kv = torch.zeros(1, 2, 4, 64, device=kdevice, dtype=torch.float16)
+    q = torch.zeros(1, 2, 1, 64, device=kdevice, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"key_rotated must be a bool tensor \[B=1, Hk=2\]"):
+        kernels.decode_attention(q, kv, kv, None, kv, kv, cfg, key_rotated=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="value_rotated"):
+        kernels.decode_attention(q, kv, kv, None, kv, kv, cfg, value_rotated=torch.ones(1, 2))
