@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVarNCache, KVarNLayer
-from ..codec import TileFields, rotate_kv
+from ..codec import TileFields, check_encoded, rotate_kv
 from ..methods import EncodedKV, TileCodec
 
 NAME = "kvarn"
@@ -42,6 +42,9 @@ class TritonTileCodec(TileCodec):
         k = rotate_kv(keys, c).reshape(b, h, n, c.tile, d).transpose(-1, -2)
         v = rotate_kv(values, c).reshape(b, h, n, c.tile, d)
         tiles = kernels.encode_tiles(k, v, c)
+        # The kernel has no range guard of its own; tiles that underflow fp16 are not flagged as
+        # zero tiles here (their subnormal scales decode close to zero): docs/algorithm.md.
+        check_encoded(tiles, k, v)
         nbytes = int(round(self.bytes_per_token(d) * b * h * t))
         return EncodedKV(self.method, tuple(keys.shape), nbytes, tiles=tiles)
 

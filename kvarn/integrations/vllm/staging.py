@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from ...codec import encode_tiles, fields_to_records, kv_to_tiles, rotate_kv
+from ...codec import check_encoded, encode_tiles, fields_to_records, kv_to_tiles, rotate_kv
 from ...config import KVarNConfig
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ def encode_records(k: torch.Tensor, v: torch.Tensor, config: KVarNConfig, use_tr
         from ...kernels import encode_tiles as triton_encode_tiles
 
         fields = triton_encode_tiles(kt, vt, config)
+        check_encoded(fields, kt, vt)  # the kernel has no range guard of its own
     else:
         fields = encode_tiles(kt, vt, config)
     return fields_to_records(fields, config, d)
