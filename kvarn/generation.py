@@ -112,15 +112,18 @@ def compare(model, tokenizer, prompt: str, methods=("fp16", "kivi", "kvarn"), pr
 def render_table(result: dict) -> str:
     """Markdown table of a :func:`compare` result: one row per method."""
     ref = result["reference"]
+    dtype = result["runs"][0]["memory"]["total"].get("baseline_dtype") if result["runs"] else None
     lines = [
-        f"| method | tokens | tok/s | agreement vs {ref} | first divergence | KV bytes | x smaller than fp16 |",
-        "|---|---|---|---|---|---|---|",
+        f"| method | tokens | tok/s | agreement vs {ref} | first divergence | KV bytes "
+        f"| x smaller than the model's {dtype} cache | x smaller than fp16 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         total = r["memory"]["total"]
         first = "-" if r["first_divergence"] is None else str(r["first_divergence"])
         lines.append(
             f"| {r['method']} | {r['new_tokens']} | {r['tokens_per_second']:.1f} | {100 * r['agreement']:.1f}% "
-            f"| {first} | {total['total_bytes'] / 1024:.0f} KiB | {total['compression_ratio']:.2f} |"
+            f"| {first} | {total['total_bytes'] / 1024:.0f} KiB | {total['compression_ratio']:.2f} "
+            f"| {total['compression_vs_fp16']:.2f} |"
         )
     return "\n".join(lines)
