@@ -1,7 +1,7 @@
 """Decode attention: kvarn Triton kernel vs fp16 SDPA (flash) over the same context, on one GPU.
 
 Per shape x batch x context: median time (CUDA-graph replays, so launch gaps and Python are out),
-bytes read (kvarn: sink + tail fp16, records of spec section 4; fp16: K+V) and achieved bandwidth.
+bytes read (kvarn: sink + tail fp16, records of docs/algorithm.md section 4; fp16: K+V) and achieved bandwidth.
 Tile contents are random codes and scales: speed does not depend on the values. The kernel runs with
 its defaults (``precise=True``: fp32 operands split into two fp16 halves for the matrix units,
 stacked as extra rows of one MMA). Where B >= 8 and the context >= 16K (the targets' range) two

@@ -5,7 +5,7 @@ Caches: transformers' fp16 ``DynamicCache`` (concatenates every step), fp16 ``St
 The history of ``context`` tokens is written straight into each cache (random K/V: speed does not
 depend on values), then ``generate`` runs ``--new`` greedy tokens; the step time is the median gap
 between CUDA events recorded by a logits processor at each step (no host synchronization).
-Also: peak GPU memory during decode, KV bytes (measured and spec section 4), the flush's share of a
+Also: peak GPU memory during decode, KV bytes (measured and docs/algorithm.md section 4), the flush's share of a
 step (with ``--flush-json`` from bench_flush.py), and the largest batch x context whose KV fits
 in 100 GiB. Prints tables, writes JSON, asserts nothing.
 

@@ -1,4 +1,4 @@
-"""The KVarN tile codec: rotation, normalization, RTN, packing and the byte record (spec 1-4).
+"""The KVarN tile codec: rotation, normalization, RTN, packing and the byte record (docs/algorithm.md sections 1-4).
 
 Frames and layouts. Every stored value is in the rotated frame (``k' = k @ H``). A K tile is
 ``[D, G]`` (rows = channels, quantized per channel over G tokens); a V tile is ``[G, D]`` (rows =
@@ -70,7 +70,7 @@ def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float):
     Guard rails on the fp16 scales (docs/algorithm.md, "Numerical range"): a tile whose scales
     would overflow fp16 raises ValueError; a tile whose every row scale and zero is below fp16's
     smallest normal number is stored as a zero tile (all fields 0, column scales 0 as its flag).
-    Other tiles are encoded exactly as the spec says.
+    Other tiles are encoded exactly as docs/algorithm.md sections 2-3 say.
     """
     y, col_scale, row_scale = variance_normalize(x, iters)
     codes, step, lo = rtn_rows(y, bits, quantile)
@@ -128,7 +128,7 @@ def fields_to_records(t: TileFields, config: KVarNConfig, head_dim: int) -> torc
 
 
 def record_layout(config: KVarNConfig, head_dim: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """``(field, per-tile shape, dtype)`` in record order (spec section 4)."""
+    """``(field, per-tile shape, dtype)`` in record order (docs/algorithm.md section 4)."""
     d, g = head_dim, config.tile
     return [
         ("k_codes", (d, g * config.key_bits // 8), torch.uint8),
@@ -213,7 +213,7 @@ class QuantizedKV:
 
     @property
     def nbytes(self) -> int:
-        """Stored bytes, as padded records (spec section 4)."""
+        """Stored bytes, as padded records (docs/algorithm.md section 4)."""
         return self.num_tiles * self.config.record_bytes(self.head_dim)
 
     def __getattr__(self, name):  # expose k_codes, v_row_scale, ... directly
@@ -222,7 +222,7 @@ class QuantizedKV:
         raise AttributeError(name)
 
     def to_records(self) -> torch.Tensor:
-        """uint8 ``[B, H, T/G, record_bytes]`` in the byte layout of spec section 4."""
+        """uint8 ``[B, H, T/G, record_bytes]`` in the byte layout of docs/algorithm.md section 4."""
         return fields_to_records(self.tiles, self.config, self.head_dim)
 
     @property

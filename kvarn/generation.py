@@ -86,16 +86,19 @@ def agreement(reference: list[int], tokens: list[int]) -> dict:
 
 def compare(model, tokenizer, prompt: str, methods=("fp16", "kivi", "kvarn"), preset: str = "k2v2_g128",
             max_new_tokens: int = 256, *, reference: str = "fp16", chat: bool = True,
-            overrides: dict | None = None) -> dict:
+            overrides: dict | None = None, progress: bool = False) -> dict:
     """Run every method (and the reference, once) on ``prompt``; score each against the reference.
 
     Returns ``{"prompt", "preset", "reference", "max_new_tokens", "runs": [run + agreement +
     "memory_vs_reference"]}`` in the order of ``methods``; ``memory_vs_reference`` is the method's
-    stored bytes over the reference's.
+    stored bytes over the reference's. ``progress``: a progress bar over the methods.
     """
+    from tqdm.auto import tqdm
+
     order = list(dict.fromkeys([reference, *methods]))
-    runs = {m: run(model, tokenizer, prompt, m, preset, max_new_tokens, chat=chat, overrides=overrides)
-            for m in order}
+    runs = {}
+    for m in tqdm(order, desc="generate", unit="method", disable=not progress):
+        runs[m] = run(model, tokenizer, prompt, m, preset, max_new_tokens, chat=chat, overrides=overrides)
     ref = runs[reference]
     ref_bytes = ref["memory"]["total"]["total_bytes"]
     out = []

@@ -1,4 +1,4 @@
-"""``KVarNCache``: a transformers ``Cache`` that stores K/V with a kvarn method (spec section 5).
+"""``KVarNCache``: a transformers ``Cache`` that stores K/V with a kvarn method (docs/algorithm.md section 5).
 
 One layer object per decoder layer: a :class:`~kvarn.cache.layer.KVarNLayer` for full attention
 (and for sliding-window attention when ``quantize_sliding_window=True``), transformers' own

@@ -1,6 +1,6 @@
 """``kvarn drift --model M --text FILE [--field F --record I] --tokens N --out DIR``.
 
-Pseudo-decodes a long text in chunks (spec section 7): after each chunk its KV is quantized by each
+Pseudo-decodes a long text in chunks (docs/algorithm.md section 7): after each chunk its KV is quantized by each
 method before later chunks attend. Measures static vs accumulated attention-output error per layer
 and chunk, K/V error and its magnitude/direction decomposition, next-token KL, top-1 agreement and
 perplexity, and (with --new-tokens) greedy generation against fp16. Writes DIR/drift.json,

@@ -1,6 +1,6 @@
 """Full-precision staging of one attention layer, keyed by vLLM block id, and tile commits.
 
-A vLLM block of ``G`` tokens (one tile) holds, per KV head, one KVarN record of spec section 4 in the
+A vLLM block of ``G`` tokens (one tile) holds, per KV head, one KVarN record of docs/algorithm.md section 4 in the
 paged cache. Tokens that are not in a committed record live here, in the model's frame and dtype:
 
 - the sink: the first ``S`` tokens of every sequence (``S / G`` blocks), for the sequence's life;
