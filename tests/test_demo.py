@@ -58,3 +58,19 @@ def test_side_by_side_columns():
     assert lines[0].startswith("fp16 (same as fp16)") and "kivi (differs from token 3)" in lines[0]
     assert all(len(line) <= 90 for line in lines)
     assert "Robert Boulter was a" in text
+
+
+def test_projected_bytes_follow_the_memory_report_accounting():
+    import torch
+
+    from kvarn import KVarNCache
+    from kvarn.cli.demo import projected_bytes
+
+    for method, tokens in (("kvarn", 700), ("kivi", 300), ("fp16", 200)):
+        cache = KVarNCache(None, method, "k2v2_g128")
+        kv = torch.randn(1, 3, tokens, 64)
+        cache.update(kv, kv.clone(), 0)
+        cache.freeze()
+        measured = cache.memory_report()["total"]["total_bytes"]
+        assert projected_bytes(method, "k2v2_g128", layers=1, kv_heads=3, head_dim=64, tokens=tokens,
+                               esize=4) == measured

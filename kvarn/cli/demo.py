@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--text", default="wikitext2", help="bundled corpus name or a text file")
     p.add_argument("--tokens", type=int, default=1024, help="pseudo-decode length (whole tiles)")
     p.add_argument("--prompt-chars", type=int, default=1500, help="characters of the text in the generation prompt")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", type=Path, default=Path("demo_out"))
@@ -60,8 +60,27 @@ def error_rows(doc: dict, methods: list[str], preset: str) -> list[dict]:
     return rows
 
 
+def projected_bytes(method: str, preset: str, *, layers: int, kv_heads: int, head_dim: int, tokens: int,
+                    esize: int) -> int:
+    """Stored KV bytes of one sequence of ``tokens`` tokens with the accounting of
+    ``KVarNCache.memory_report`` (sink and tail at ``esize`` bytes per element, tiles at the method's
+    bytes), once every complete tile is frozen."""
+    from kvarn import KVarNConfig
+    from kvarn.methods import TileCodec
+
+    cfg = KVarNConfig.from_name(preset)
+    codec = TileCodec(method, cfg)
+    fp_token = kv_heads * head_dim * 2 * esize
+    if codec.method.fmt == "none":
+        return layers * tokens * fp_token
+    sink = min(tokens, cfg.sink_tokens)
+    tiles = (tokens - sink) // cfg.tile
+    tail = tokens - sink - tiles * cfg.tile
+    return layers * ((sink + tail) * fp_token + round(tiles * cfg.tile * kv_heads * codec.bytes_per_token(head_dim)))
+
+
 def summary_markdown(*, model: str, preset: str, dtype: str, tokens: int, text: str, errors: list[dict],
-                     generation: dict, figure: Path, seconds: float) -> str:
+                     generation: dict, figure: Path, seconds: float, projected: dict | None = None) -> str:
     """The one-screen summary: memory, error after ``tokens`` tokens, figure path."""
     ref = generation["reference"]
     lines = [
@@ -79,10 +98,21 @@ def summary_markdown(*, model: str, preset: str, dtype: str, tokens: int, text: 
         first = "none" if r["first_divergence"] is None else str(r["first_divergence"])
         lines.append(f"| {r['method']} | {t['total_bytes'] / 1024:.0f} KiB | {t['compression_ratio']:.2f} "
                      f"| {t['compression_vs_fp16']:.2f} | {100 * r['agreement']:.0f}% | {first} |")
+    if projected:
+        ctx = sorted(next(iter(projected.values())))
+        ref_bytes = projected.get(ref)
+        lines += ["", "The sink (first 128 tokens) and the unfinished last tile stay in " + dtype + ", so the saving "
+                  "grows with the context; the same accounting for one longer sequence, x smaller than the model's "
+                  f"{dtype} cache:", "",
+                  "| method | " + " | ".join(f"{n} tokens" for n in ctx) + " |",
+                  "|---|" + "---:|" * len(ctx)]
+        for m, by_len in projected.items():
+            cells = [f"{by_len[n] / 2**20:.1f} MiB ({ref_bytes[n] / by_len[n]:.2f}x)" if ref_bytes else
+                     f"{by_len[n] / 2**20:.1f} MiB" for n in ctx]
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        f"Sink (first 128 tokens) and the unfinished last tile stay in {dtype}; a long context approaches the "
-        "per-token factor of docs/algorithm.md section 4.",
+        "See docs/algorithm.md section 4 for the bytes per token of each preset.",
         "",
         f"## Error after {tokens} tokens of {text} (pseudo-decode, chunks of 128 tokens)",
         "",
@@ -151,10 +181,16 @@ def _run(args) -> int:
     prompt = text[: args.prompt_chars].rsplit(" ", 1)[0] + INSTRUCTION
     generation = compare(model, tokenizer, prompt, methods=methods, preset=args.preset,
                          max_new_tokens=args.max_new_tokens, reference=methods[0], progress=not args.no_progress)
+    cfg = model.config
+    shape = dict(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads,
+                 head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+                 esize=next(model.parameters()).element_size())
+    projected = {m: {n: projected_bytes(m, args.preset, tokens=n, **shape) for n in (int(ids.shape[1]), 8192)}
+                 for m in methods}
     seconds = time.perf_counter() - start
     summary = summary_markdown(model=args.model, preset=args.preset, dtype=dtype, tokens=int(ids.shape[1]),
                                text=str(args.text), errors=error_rows(doc, methods, args.preset),
-                               generation=generation, figure=figure, seconds=seconds)
+                               generation=generation, figure=figure, seconds=seconds, projected=projected)
     (out / "demo.md").write_text(summary, encoding="utf-8")
     (out / "generation.json").write_text(json.dumps(generation, indent=1), encoding="utf-8")
     print("\n" + summary)
