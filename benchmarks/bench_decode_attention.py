@@ -1,7 +1,8 @@
 """Decode attention: kvarn Triton kernel vs fp16 SDPA (flash) over the same context, on one GPU.
 
 Per shape x batch x context: median time (CUDA-graph replays, so launch gaps and Python are out),
-bytes read (kvarn: sink + tail fp16, records of spec section 4; fp16: K+V) and achieved bandwidth.
+bytes read (kvarn: sink + tail fp16, records of docs/algorithm.md section 4; fp16: K+V) and achieved
+bandwidth.
 Both sides read cold data: when one copy of a case's data is smaller than ``--cold-bytes``
 (default 256 MB, five times the H200's L2), that many copies are made and consecutive calls cycle
 through them, as consecutive layers of a model do (a 10 MB case replayed on one copy would be

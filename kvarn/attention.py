@@ -1,4 +1,4 @@
-"""Decode attention over a KVarN cache: the pure-torch reference (spec section 5).
+"""Decode attention over a KVarN cache: the pure-torch reference (docs/algorithm.md section 5).
 
 A sequence's history is three regions, all stored in the rotated frame (``k' = k @ H``):
 

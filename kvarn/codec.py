@@ -1,4 +1,4 @@
-"""The KVarN tile codec: rotation, normalization, RTN, packing and the byte record (spec 1-4).
+"""The KVarN tile codec: rotation, normalization, RTN, packing and the byte record (docs/algorithm.md sections 1-4).
 
 Frames and layouts. Every stored value is in the rotated frame (``k' = k @ H``). A K tile is
 ``[D, G]`` (rows = channels, quantized per channel over G tokens); a V tile is ``[G, D]`` (rows =
@@ -16,7 +16,7 @@ tokens, quantized per token over D channels). Stored fields per (tile, KV head),
 The byte record concatenates them in exactly that order (fp16 little-endian), zero-padded to a
 multiple of 8 bytes: D=G=128, k4v2 -> 8192 + 768 + 4096 + 768 = 13824 bytes.
 
-Code byte order. A packed code matrix is ``[rows, cols / P]`` in the record (spec section 4: the K
+Code byte order. A packed code matrix is ``[rows, cols / P]`` in the record (docs/algorithm.md section 4: the K
 codes channel-major ``[D, G/P]``, the V codes token-major ``[G, D/P]``). Stored fields and tile
 stores keep both code matrices transposed (``[G/P, D]`` and ``[D/P, G]``): the same bytes, each
 unchanged, in the order the decode kernel's matrix products consume them (a row of bytes runs along
@@ -28,6 +28,7 @@ transposed (:func:`record_layout`).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, fields
 
@@ -38,6 +39,8 @@ from .hadamard import rotate
 from .normalize import variance_normalize
 from .pack import pack_codes, unpack_codes
 from .quantize import dequantize_rows, rtn_rows
+
+logger = logging.getLogger(__name__)
 
 FIELD_ORDER = (
     "k_codes", "k_row_scale", "k_row_zero", "k_col_scale",
@@ -66,15 +69,44 @@ class TileFields:
         return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in FIELD_ORDER)
 
 
+FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
+FP16_TINY = float(torch.finfo(torch.float16).tiny)  # 2^-14, the smallest normal fp16
+
+
 def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float):
+    """x: ``[..., R, C]`` float32 tiles -> (packed codes, row scale, row zero, col scale), fp16 fields.
+
+    Guard rails on the fp16 scales (docs/algorithm.md, "Numerical range"): a tile whose scales
+    would overflow fp16 raises ValueError; a tile whose every row scale and zero is below fp16's
+    smallest normal number is stored as a zero tile (all fields 0, column scales 0 as its flag).
+    Other tiles are encoded exactly as docs/algorithm.md sections 2-3 say.
+    """
     y, col_scale, row_scale = variance_normalize(x, iters)
     codes, step, lo = rtn_rows(y, bits, quantile)
-    return (
-        pack_codes(codes, bits).transpose(-1, -2).contiguous(),
-        (row_scale * step).to(torch.float16),
-        (row_scale * lo).to(torch.float16),
-        col_scale.to(torch.float16),
-    )
+    scale32, zero32 = row_scale * step, row_scale * lo
+    scale, zero, col = scale32.to(torch.float16), zero32.to(torch.float16), col_scale.to(torch.float16)
+    finite = torch.isfinite(scale).all(-1) & torch.isfinite(zero).all(-1) & torch.isfinite(col).all(-1)
+    if not bool(finite.all()):
+        worst = float(x.abs().amax(dim=(-2, -1))[~finite].max())
+        needed = float(torch.maximum(scale32.abs().amax(-1), zero32.abs().amax(-1))[~finite].max())
+        raise ValueError(
+            f"{int((~finite).sum())} tile(s) cannot be stored: values of magnitude up to {worst:.3g} need "
+            f"a row scale or zero of {needed:.3g}, above the fp16 limit {FP16_MAX:g} of the stored scales"
+        )
+    # One max per tile: the largest stored row value. Below 2^-14 every scale and zero would be an
+    # fp16 subnormal (or 0) and the tile would decode to noise or to zeros without a word.
+    tiny = torch.maximum(scale32.abs().amax(-1), zero32.abs().amax(-1)) < FP16_TINY
+    packed = pack_codes(codes, bits).transpose(-1, -2).contiguous()  # stored order (module docstring)
+    if bool(tiny.any()):
+        logger.warning(
+            "%d tile(s) of magnitude at most %.3g stored as zero tiles: their fp16 scales would be "
+            "below the smallest normal fp16 %.3g", int(tiny.sum()), float(x.abs().amax(dim=(-2, -1))[tiny].max()),
+            FP16_TINY,
+        )
+        keep = ~tiny
+        packed = packed * keep[..., None, None].to(packed.dtype)
+        scale, zero, col = (f * keep[..., None].to(f.dtype) for f in (scale, zero, col))
+    return packed, scale, zero, col
 
 
 def encode_tiles(k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConfig) -> TileFields:
@@ -114,7 +146,8 @@ def _to_record_order(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def record_layout(config: KVarNConfig, head_dim: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """``(field, per-tile shape, dtype)`` of a tile store's records, in record order (spec section 4).
+    """``(field, per-tile shape, dtype)`` of a tile store's records, in record order
+    (docs/algorithm.md section 4).
 
     The code matrices have the stored (transposed) shape; their byte ranges are the record's.
     """
@@ -211,7 +244,7 @@ class QuantizedKV:
 
     @property
     def nbytes(self) -> int:
-        """Stored bytes, as padded records (spec section 4)."""
+        """Stored bytes, as padded records (docs/algorithm.md section 4)."""
         return self.num_tiles * self.config.record_bytes(self.head_dim)
 
     def __getattr__(self, name):  # expose k_codes, v_row_scale, ... directly
@@ -220,19 +253,62 @@ class QuantizedKV:
         raise AttributeError(name)
 
     def to_records(self) -> torch.Tensor:
-        """uint8 ``[B, H, T/G, record_bytes]`` in the byte layout of spec section 4."""
+        """uint8 ``[B, H, T/G, record_bytes]`` in the byte layout of docs/algorithm.md section 4."""
         return fields_to_records(self.tiles, self.config, self.head_dim)
+
+    @property
+    def zero_tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """bool ``[B, H, T/G]`` for K and for V: tiles stored as zero tiles (column scales all 0).
+
+        The encoder stores a tile whose scales would underflow fp16 this way; a normal tile's column
+        scales are at least ``e^-0.3``.
+        """
+        return (self.tiles.k_col_scale == 0).all(-1), (self.tiles.v_col_scale == 0).all(-1)
 
     @classmethod
     def from_records(
-        cls, records: torch.Tensor, config: KVarNConfig, head_dim: int, dtype: torch.dtype = torch.float16
+        cls, records: torch.Tensor, config: KVarNConfig, head_dim: int, dtype: torch.dtype = torch.float16,
+        validate: bool = True,
     ) -> "QuantizedKV":
-        """Rebuild from uint8 records ``[B, H, T/G, record_bytes]``."""
+        """Rebuild from uint8 records ``[B, H, T/G, record_bytes]``.
+
+        validate: reject records whose fp16 scales or zeros are NaN or Inf (ValueError naming the
+        first such record and field); one pass over the scale bytes, not the codes.
+        """
         if records.dim() != 4:
             raise ValueError(f"records must be [B, H, T/G, bytes], got shape {tuple(records.shape)}")
         b, h, n, _ = records.shape
         tiles = records_to_fields(records, config, head_dim)
+        if validate:
+            check_finite_scales(tiles)
         return cls(tiles, config, (b, h, n * config.tile, head_dim), dtype)
+
+
+def check_encoded(tiles: TileFields, k_tiles: torch.Tensor, v_tiles: torch.Tensor) -> None:
+    """For encoders without the torch codec's guard (the Triton flush): ValueError when a scale
+    overflowed fp16, naming the input magnitude and the limit. Reads the scales only."""
+    try:
+        check_finite_scales(tiles)
+    except ValueError as e:
+        worst = max(float(k_tiles.abs().amax()), float(v_tiles.abs().amax()))
+        raise ValueError(
+            f"tiles of magnitude up to {worst:.3g} overflow their fp16 scales (fp16 limit {FP16_MAX:g}): {e}"
+        ) from None
+
+
+def check_finite_scales(tiles: TileFields) -> None:
+    """ValueError naming the first record (index into the leading dims) with a NaN/Inf fp16 field."""
+    for name in FIELD_ORDER:
+        x = getattr(tiles, name)
+        if x.dtype != torch.float16:
+            continue
+        bad = ~torch.isfinite(x).all(-1)
+        if bool(bad.any()):
+            where = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"record {where} (of {tuple(bad.shape)} records) has a non-finite {name} "
+                f"({int(bad.sum())} record(s) in all); a valid record holds finite fp16 scales"
+            )
 
 
 def rotate_kv(x: torch.Tensor, config: KVarNConfig) -> torch.Tensor:
@@ -269,4 +345,15 @@ def dequantize_kv(qkv: QuantizedKV, rotated: bool = False) -> tuple[torch.Tensor
     k, v = tiles_to_kv(*decode_tiles(qkv.tiles, qkv.config))
     if not rotated:
         k, v = rotate(k), rotate(v)
-    return k.to(qkv.dtype), v.to(qkv.dtype)
+    k, v = k.to(qkv.dtype), v.to(qkv.dtype)
+    for name, x in (("keys", k), ("values", v)):
+        # Finite scales can still decode past the output dtype's range (records not made by the
+        # encoder): say so instead of returning Inf, or NaN after the rotation.
+        bad = ~torch.isfinite(x)
+        if bool(bad.any()):
+            b, h, t, _ = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{name} of record {(b, h, t // qkv.config.tile)} decode to non-finite values in "
+                f"{qkv.dtype} (its largest finite value is {torch.finfo(qkv.dtype).max:.4g})"
+            )
+    return k, v

@@ -1,6 +1,6 @@
-"""Frozen configuration of the KVarN codec, with the named presets of the spec (section 6).
+"""Frozen configuration of the KVarN codec, with the named presets of docs/algorithm.md section 6.
 
-Bytes per token per KV head follow the record layout of the spec (section 4):
+Bytes per token per KV head follow the record layout of docs/algorithm.md section 4:
 ``[K codes][sK 2D][zK 2D][rK 2G][V codes][cV 2D][sV 2G][zV 2G]``, padded to 8 bytes, divided by G.
 """
 
@@ -33,14 +33,14 @@ def check_head_dim(head_dim: int) -> None:
 
 @dataclass(frozen=True)
 class KVarNConfig:
-    """KVarN settings. Use :meth:`from_name` for the spec's presets.
+    """KVarN settings. Use :meth:`from_name` for the presets of docs/algorithm.md section 6.
 
     key_bits / value_bits: 2, 4 or 8 bits per stored code.
     tile: G, tokens per tile (128 default, 64 allowed; 32 and 256 also accepted).
     sinkhorn_iters: T, iterations of the dual-axis normalization (8 default, 16 in the paper).
     sink_tokens: S, full-precision tokens at the start of every sequence (default: one tile).
         Must be a multiple of the tile so that quantized tiles stay aligned to G.
-    quantile: 0 uses min/max per row; q > 0 uses the [q, 1-q] quantiles instead (spec section 3).
+    quantile: 0 uses min/max per row; q > 0 uses the [q, 1-q] quantiles instead (docs/algorithm.md section 3).
     rotation_dtype: "float32" (default, preferred on CPU) or "float16" (the reference implementation).
     quantize_sliding_window: quantize layers with sliding-window attention (off by default).
     """
@@ -76,7 +76,7 @@ class KVarNConfig:
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> "KVarNConfig":
-        """A preset of spec section 6 by name (``k4v2_g128`` ...), with optional field overrides."""
+        """A preset of docs/algorithm.md section 6 by name (``k4v2_g128`` ...), with optional field overrides."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; valid presets: {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
@@ -92,7 +92,7 @@ class KVarNConfig:
         return self.tile * head_dim * self.value_bits // 8
 
     def record_bytes(self, head_dim: int) -> int:
-        """Bytes of one (tile, KV head) record, spec section 4, padded to a multiple of 8."""
+        """Bytes of one (tile, KV head) record, docs/algorithm.md section 4, padded to a multiple of 8."""
         check_head_dim(head_dim)
         d, g = head_dim, self.tile
         raw = (

@@ -93,16 +93,20 @@ def agreement(reference: list[int], tokens: list[int]) -> dict:
 
 def compare(model, tokenizer, prompt: str, methods=("fp16", "kivi", "kvarn"), preset: str = "k2v2_g128",
             max_new_tokens: int = 256, *, reference: str = "fp16", chat: bool = True,
-            overrides: dict | None = None, cache_factory=None) -> dict:
+            overrides: dict | None = None, cache_factory=None, progress: bool = False) -> dict:
     """Run every method (and the reference, once) on ``prompt``; score each against the reference.
 
     Returns ``{"prompt", "preset", "reference", "max_new_tokens", "runs": [run + agreement +
     "memory_vs_reference"]}`` in the order of ``methods``; ``memory_vs_reference`` is the method's
-    stored bytes over the reference's.
+    stored bytes over the reference's. ``progress``: a progress bar over the methods.
     """
+    from tqdm.auto import tqdm
+
     order = list(dict.fromkeys([reference, *methods]))
-    runs = {m: run(model, tokenizer, prompt, m, preset, max_new_tokens, chat=chat, overrides=overrides,
-                   cache_factory=cache_factory) for m in order}
+    runs = {}
+    for m in tqdm(order, desc="generate", unit="method", disable=not progress):
+        runs[m] = run(model, tokenizer, prompt, m, preset, max_new_tokens, chat=chat, overrides=overrides,
+                      cache_factory=cache_factory)
     ref = runs[reference]
     ref_bytes = ref["memory"]["total"]["total_bytes"]
     out = []
@@ -119,15 +123,18 @@ def compare(model, tokenizer, prompt: str, methods=("fp16", "kivi", "kvarn"), pr
 def render_table(result: dict) -> str:
     """Markdown table of a :func:`compare` result: one row per method."""
     ref = result["reference"]
+    dtype = result["runs"][0]["memory"]["total"].get("baseline_dtype") if result["runs"] else None
     lines = [
-        f"| method | tokens | tok/s | agreement vs {ref} | first divergence | KV bytes | x smaller than fp16 |",
-        "|---|---|---|---|---|---|---|",
+        f"| method | tokens | tok/s | agreement vs {ref} | first divergence | KV bytes "
+        f"| x smaller than the model's {dtype} cache | x smaller than fp16 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["runs"]:
         total = r["memory"]["total"]
         first = "-" if r["first_divergence"] is None else str(r["first_divergence"])
         lines.append(
             f"| {r['method']} | {r['new_tokens']} | {r['tokens_per_second']:.1f} | {100 * r['agreement']:.1f}% "
-            f"| {first} | {total['total_bytes'] / 1024:.0f} KiB | {total['compression_ratio']:.2f} |"
+            f"| {first} | {total['total_bytes'] / 1024:.0f} KiB | {total['compression_ratio']:.2f} "
+            f"| {total['compression_vs_fp16']:.2f} |"
         )
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Orthonormal Sylvester-Hadamard rotation along head_dim (spec section 1).
+"""Orthonormal Sylvester-Hadamard rotation along head_dim (docs/algorithm.md section 1).
 
 ``H = sylvester(D) / sqrt(D)`` with ``sylvester(1) = [[1]]`` and ``[[H, H], [H, -H]]`` doubling.
 H is symmetric and orthonormal, so ``H = H^T = H^-1``: rotating twice is the identity.

@@ -1,4 +1,4 @@
-"""Bit packing of integer codes into uint8 (spec section 4).
+"""Bit packing of integer codes into uint8 (docs/algorithm.md section 4).
 
 ``P = 8 / bits`` codes per byte; the code at column ``c`` goes to byte ``c // P`` at bit offset
 ``(c % P) * bits``, low bits first (4-bit: even columns in the low nibble).

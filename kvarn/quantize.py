@@ -1,4 +1,4 @@
-"""Asymmetric round-to-nearest per row (spec section 3).
+"""Asymmetric round-to-nearest per row (docs/algorithm.md section 3).
 
 For each row over all its columns: ``lo = min``, ``hi = max``, ``step = max((hi - lo) / (2^b - 1), 1e-10)``,
 ``q = clamp(round_half_to_even((y - lo) / step), 0, 2^b - 1)``. ``torch.round`` rounds half to even.

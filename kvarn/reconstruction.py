@@ -4,7 +4,7 @@ For one layer's K (or V) ``x: [B, H, T, D]`` and its reconstruction ``x^``:
 
 - SQNR in dB: ``10 log10(sum x^2 / sum (x - x^)^2)``.
 - Relative token-norm error per (head, token): ``| ||x|| - ||x^|| | / ||x||``. This is the
-  magnitude (token-scale) part of the error decomposition of spec section 7; the paper finds
+  magnitude (token-scale) part of the error decomposition of docs/algorithm.md section 7; the paper finds
   the worst ~5% of tokens by this measure dominate end-to-end degradation. We report the mean
   over the worst 5% and the maximum.
 """

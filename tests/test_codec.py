@@ -24,7 +24,7 @@ def synthetic_kv(b=1, h=2, t=256, d=128, seed=0):
 
 
 def _spec_tile(x, bits, iters):
-    """Independent, literal per-tile transcription of spec sections 2-3 (no batching, no packing)."""
+    """Independent, literal per-tile transcription of docs/algorithm.md sections 2-3 (no batching, no packing)."""
     r, c = x.shape
     a, b_ = torch.zeros(c), torch.zeros(r)
 

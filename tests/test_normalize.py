@@ -14,7 +14,7 @@ def _tile(seed, r=64, c=32, spread=3.0):
 
 
 def _reference(x, iters):
-    """Literal transcription of spec section 2 for one tile (independent of the batched code)."""
+    """Literal transcription of docs/algorithm.md section 2 for one tile (independent of the batched code)."""
     r, c = x.shape
     a, b = torch.zeros(c), torch.zeros(r)
 

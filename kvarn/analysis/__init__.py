@@ -1,4 +1,4 @@
-"""Error-accumulation analysis of KV-cache quantization (spec section 7).
+"""Error-accumulation analysis of KV-cache quantization (docs/algorithm.md section 7).
 
 - :func:`pseudo_decode`: static vs accumulated attention-output error, K/V error and its
   magnitude/direction decomposition, next-token KL, top-1 agreement and perplexity, per chunk.

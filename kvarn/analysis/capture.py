@@ -93,7 +93,7 @@ def observe(model, observer: Callable | None):
 
 @dataclass
 class TileFreezer:
-    """Quantizes finished tiles of a growing per-layer K/V history, once each (spec section 5).
+    """Quantizes finished tiles of a growing per-layer K/V history, once each (docs/algorithm.md section 5).
 
     ``quantized_layers``: layers whose history is quantized; others stay full precision.
     ``frozen[layer]``: tokens of that layer whose stored form is final (sink + quantized tiles).

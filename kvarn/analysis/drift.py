@@ -1,10 +1,10 @@
-"""Pseudo-decode drift analysis (spec section 7, paper section 3 and Fig. 5).
+"""Pseudo-decode drift analysis (docs/algorithm.md section 7, paper section 3 and Fig. 5).
 
 A text of ``T`` tokens is fed through the model in chunks of ``b`` tokens. After each chunk, the
 finished tiles of its K/V (beyond the full-precision sink) are replaced by the method's round trip,
 so later chunks attend to quantized history; the chunk's own attention uses its exact K/V (prefill
 semantics). With ``b`` equal to the tile this is exactly teacher-forced decoding with the quantized
-cache of spec section 5.
+cache of docs/algorithm.md section 5.
 
 Two regimes, measured against one full-precision shadow run that is shared by every method:
 
@@ -206,7 +206,7 @@ def pseudo_decode(
     """Static and accumulated drift of every method in ``specs`` over ``input_ids`` ``[1, T]``.
 
     chunk: tokens per pseudo-decode step (default: the first spec's tile).
-    sink_tokens: full-precision sink (default: one tile, spec section 5).
+    sink_tokens: full-precision sink (default: one tile, docs/algorithm.md section 5).
     layers: restrict quantization to these layer indices (default: all but sliding-window layers,
         which are kept in full precision unless ``quantize_sliding_window``).
     reuse_shadow_for_fp16: the fp16 method stores the exact history, so its accumulated run is the

@@ -1,6 +1,6 @@
 """Error measures of the drift study (pure functions on tensors).
 
-Per-token decomposition of a key (or value) error, spec section 7. For a token vector ``k`` and its
+Per-token decomposition of a key (or value) error, docs/algorithm.md section 7. For a token vector ``k`` and its
 reconstruction ``k^``, with ``n = ||k||``, ``m = ||k^||`` and ``cos θ = k·k^ / (n m)``::
 
     ||k - k^||^2 = (n - m)^2 + 2 n m (1 - cos θ)

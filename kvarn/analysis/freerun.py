@@ -5,7 +5,7 @@ For a prompt of ``P`` tokens, fp16 greedily generates ``N`` tokens (its trajecto
 first ``N`` tokens, and (b) is teacher-forced along the fp16 trajectory, which gives
 ``KL(p_fp16 || p_method)`` of the next-token distribution at every generated position.
 
-Cache semantics follow spec section 5: the prompt is prefilled with exact attention and its finished
+Cache semantics follow docs/algorithm.md section 5: the prompt is prefilled with exact attention and its finished
 tiles (beyond the sink) are quantized right after; during decoding each tile is quantized when it
 fills. Teacher forcing feeds the trajectory in chunks that end on tile boundaries, which reproduces
 token-by-token decoding (a token attends to its own unfinished tile in full precision and to

@@ -1,7 +1,17 @@
-"""Text inputs for the drift study: a plain text file or one field of a JSONL file, tokenized."""
+"""Text inputs for the drift study: a bundled corpus by name, a plain text file or one field of a
+JSONL file (either may be gzip-compressed), tokenized.
+
+Bundled corpora (``kvarn/data/``, origin and license in ``kvarn/data/SOURCES.md``):
+
+- ``wikitext2``: the WikiText-2 raw test split (60 Wikipedia articles, about 320k tokens);
+- ``reasoning``: 29 DeepSeek-R1 reasoning traces on MATH-500 problems (``full_response``: the
+  ``<think>`` trace and the answer), joined with blank lines;
+- ``book``: Jane Austen, *Pride and Prejudice* (Project Gutenberg #1342, public domain).
+"""
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from pathlib import Path
@@ -10,21 +20,50 @@ import torch
 
 log = logging.getLogger(__name__)
 
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+#: name -> (file in kvarn/data, JSONL field or None for plain text)
+CORPORA: dict[str, tuple[str, str | None]] = {
+    "wikitext2": ("wikitext2_test.raw.gz", None),
+    "reasoning": ("r1_reasoning_traces.jsonl.gz", "full_response"),
+    "book": ("pride_and_prejudice.txt.gz", None),
+}
+
+
+def corpus_path(name: str) -> Path:
+    """The bundled file of corpus ``name`` (one of :data:`CORPORA`)."""
+    if name not in CORPORA:
+        raise ValueError(f"unknown corpus {name!r}; bundled corpora: {sorted(CORPORA)}")
+    return DATA / CORPORA[name][0]
+
+
+def _read(path: Path) -> str:
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return f.read()
+    return path.read_text(encoding="utf-8")
+
 
 def load_text(path: str | Path, field: str | None = None, record: int | None = None) -> str:
-    """The text of ``path``.
+    """The text of a bundled corpus (a name of :data:`CORPORA`) or of the file ``path``.
 
-    A ``.jsonl`` file (or any file when ``field`` is given) is read as JSON lines: ``record`` selects
-    one record (0-based); without it the field of every record is joined with blank lines.
+    A ``.jsonl`` file (``.jsonl.gz`` too, or any file when ``field`` is given) is read as JSON
+    lines: ``record`` selects one record (0-based); without it the field of every record is joined
+    with blank lines. A bundled JSONL corpus uses its own field unless ``field`` is given.
     """
+    if isinstance(path, str) and path in CORPORA:
+        field = field or CORPORA[path][1]
+        path = corpus_path(path)
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"text file {str(path)!r} does not exist")
-    if field is None and path.suffix != ".jsonl":
+        raise ValueError(f"text file {str(path)!r} does not exist (bundled corpora by name: {sorted(CORPORA)})")
+    suffixes = path.suffixes[-2:] if path.suffix == ".gz" else path.suffixes[-1:]
+    is_jsonl = ".jsonl" in suffixes
+    if field is None and not is_jsonl:
         if record is not None:
             raise ValueError("record is only meaningful for a JSONL file (give field too)")
-        return path.read_text(encoding="utf-8")
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        return _read(path)
+    rows = [json.loads(line) for line in _read(path).splitlines() if line.strip()]
     if not rows:
         raise ValueError(f"{str(path)!r} has no JSON records")
     if field is None:

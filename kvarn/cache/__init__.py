@@ -1,4 +1,4 @@
-"""The KVarN KV cache for transformers (spec section 5); see :class:`KVarNCache`.
+"""The KVarN KV cache for transformers (docs/algorithm.md section 5); see :class:`KVarNCache`.
 
 Layout per attention layer and row: ``[pads | sink (fp) | frozen tiles (method codec) | tail (fp)]``.
 Modules: :mod:`.store` (growable encoded-tile storage), :mod:`.layer` (one layer: freezing,

@@ -29,7 +29,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..codec import TileFields
 from ..config import KVarNConfig
 from ..methods import TileCodec
-from .store import TileStore
+from .store import TileStore, grown_capacity
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,13 @@ class LayerView:
 
 
 def _memory(quantized_bytes, full_precision_bytes, tokens, fp16_equivalent_bytes, reserved_bytes, quantized_tiles=0,
-            decoded_cache_bytes=0):
+            decoded_cache_bytes=0, baseline_bytes=None, baseline_dtype=None):
+    """One memory entry. ``baseline_bytes``: what the model's own cache would hold for the same
+    tokens, K and V in ``baseline_dtype`` (default: the fp16 figure); ``compression_ratio`` is
+    against it, ``compression_vs_fp16`` against fp16."""
     total = quantized_bytes + full_precision_bytes
+    if baseline_bytes is None:
+        baseline_bytes, baseline_dtype = fp16_equivalent_bytes, baseline_dtype or "float16"
     return {
         "decoded_cache_bytes": decoded_cache_bytes,
         "tokens": tokens,
@@ -73,10 +78,17 @@ def _memory(quantized_bytes, full_precision_bytes, tokens, fp16_equivalent_bytes
         "quantized_bytes": quantized_bytes,
         "full_precision_bytes": full_precision_bytes,
         "total_bytes": total,
+        "baseline_bytes": baseline_bytes,
+        "baseline_dtype": baseline_dtype,
+        "compression_ratio": baseline_bytes / total if total else 1.0,
         "fp16_equivalent_bytes": fp16_equivalent_bytes,
-        "compression_ratio": fp16_equivalent_bytes / total if total else 1.0,
+        "compression_vs_fp16": fp16_equivalent_bytes / total if total else 1.0,
         "reserved_bytes": reserved_bytes,
     }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 class KVarNLayer(CacheLayerMixin):
@@ -110,11 +122,13 @@ class KVarNLayer(CacheLayerMixin):
         if pads is not None and len(pads) != b:
             raise ValueError(f"padding was given for {len(pads)} rows but the batch has {b} rows")
         self.pads = list(pads) if pads is not None else [0] * b
-        self.sink_k = key_states.new_zeros(b, h, self.sink_tokens, d)
+        # Sink and tail buffers grow on demand (see :func:`grown_capacity`): reserved memory stays
+        # within 10% (plus one tile) of what is stored.
+        self.sink_k = key_states.new_zeros(b, h, 0, d)
         self.sink_v = torch.zeros_like(self.sink_k)
         self.sink_len = [0] * b
         self.store = TileStore(self.codec, b, h, d, self.device, decoded_cache=self.decoded_cache)
-        self.tail_k = key_states.new_zeros(b, h, 2 * self.tile, d)
+        self.tail_k = key_states.new_zeros(b, h, 0, d)
         self.tail_v = torch.zeros_like(self.tail_k)
         self.tail_len = [0] * b
         self.length = 0
@@ -161,9 +175,22 @@ class KVarNLayer(CacheLayerMixin):
         cap = self.tail_k.shape[2]
         if need <= cap:
             return
-        new = max(need, 2 * cap)
-        new = (new + self.tile - 1) // self.tile * self.tile
+        self._resize_tail(grown_capacity(cap, need))
+
+    def _resize_tail(self, new: int) -> None:
+        keep = min(new, self.tail_k.shape[2])
         for name in ("tail_k", "tail_v"):
+            old = getattr(self, name)
+            buf = old.new_zeros(self.batch, self.heads, new, self.head_dim)
+            buf[:, :, :keep] = old[:, :, :keep]
+            setattr(self, name, buf)
+
+    def _ensure_sink(self, need: int) -> None:
+        cap = self.sink_k.shape[2]
+        if need <= cap:
+            return
+        new = grown_capacity(cap, need, limit=self.sink_tokens)
+        for name in ("sink_k", "sink_v"):
             old = getattr(self, name)
             buf = old.new_zeros(self.batch, self.heads, new, self.head_dim)
             buf[:, :, :cap] = old
@@ -214,6 +241,7 @@ class KVarNLayer(CacheLayerMixin):
             plan.append((to_sink, to_sink + n * g))
         if rows:
             self.store.append(rows, torch.cat(ks), torch.cat(vs))  # copies before the tail shifts
+        self._ensure_sink(max(s + t for s, (t, _) in zip(self.sink_len, plan)))
         for b, (to_sink, consumed) in enumerate(plan):
             if to_sink:
                 s = self.sink_len[b]
@@ -228,12 +256,11 @@ class KVarNLayer(CacheLayerMixin):
         self._shrink_tail()
 
     def _shrink_tail(self) -> None:
-        # A long prefill grows the tail buffer; give the memory back once its tiles are frozen.
+        # A long prefill (or a multi-token step) grows the tail; once its tiles are frozen the tail
+        # holds fewer than G tokens per row (more only while the sink fills): give the rest back.
         cap, used = self.tail_k.shape[2], max(self.tail_len, default=0)
-        if cap > 4 * self.tile and used < cap // 4:
-            new = max(2 * self.tile, (used + self.tile) // self.tile * self.tile)
-            self.tail_k = self.tail_k[:, :, :new].clone()
-            self.tail_v = self.tail_v[:, :, :new].clone()
+        if cap > max(self.tile, grown_capacity(used, used)):
+            self._resize_tail(max(used, min(cap, self.tile)))
 
     def _assemble(self) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.tile
@@ -296,14 +323,17 @@ class KVarNLayer(CacheLayerMixin):
         reserved = (
             self.sink_k.numel() + self.sink_v.numel() + self.tail_k.numel() + self.tail_v.numel()
         ) * esize + self.store.reserved_bytes()
+        tokens = fp_tokens + tile_tokens
         return _memory(
             quantized_bytes=tile_bytes if quantized else 0,
             full_precision_bytes=fp_bytes + (0 if quantized else tile_bytes),
-            tokens=fp_tokens + tile_tokens,
-            fp16_equivalent_bytes=(fp_tokens + tile_tokens) * per_token * 2,
+            tokens=tokens,
+            fp16_equivalent_bytes=tokens * per_token * 2,
             reserved_bytes=reserved,
             quantized_tiles=self.store.num_tile_heads,
             decoded_cache_bytes=self.store.decoded_cache_bytes(),
+            baseline_bytes=tokens * per_token * esize,
+            baseline_dtype=dtype_name(self.dtype),
         )
 
     # rollback and batch reordering --------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""``KVarNCache``: a transformers ``Cache`` that stores K/V with a kvarn method (spec section 5).
+"""``KVarNCache``: a transformers ``Cache`` that stores K/V with a kvarn method (docs/algorithm.md section 5).
 
 One layer object per decoder layer: a :class:`~kvarn.cache.layer.KVarNLayer` for full attention
 (and for sliding-window attention when ``quantize_sliding_window=True``), transformers' own
@@ -39,9 +39,11 @@ layers stay in full precision. ``decoded_cache`` is ignored. Memory counts their
 scales and shifts/zeros as ``quantized_bytes`` and the residual as ``full_precision_bytes``.
 
 Memory. :meth:`KVarNCache.memory_report` counts what is stored: encoded tiles at their format's
-bytes (kvarn records padded to 8 bytes as in spec section 4; methods without normalization store no
+bytes (kvarn records padded to 8 bytes, docs/algorithm.md; methods without normalization store no
 column scales), sink and tail at the model dtype's size (so an fp32 model's full-precision parts
-count 4 bytes per element), and sliding-window layers as transformers holds them.
+count 4 bytes per element), and sliding-window layers as transformers holds them. Its baseline is
+the model's own cache in the model dtype (``baseline_bytes``, ``baseline_dtype``); the fp16 figure
+is a separate field.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from ..auto import AutoSettings
 from ..config import KVarNConfig, check_head_dim
 from ..methods import METHODS, Method, TileCodec, get_method
 from .auto import KVarNAutoLayer, install_prompt_capture
-from .layer import KVarNLayer, _memory
+from .layer import KVarNLayer, _memory, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -141,9 +143,11 @@ def _hf_memory(layer: QuantizedLayer) -> dict:
         if isinstance(t, torch.Tensor) and t.dim() == 4:
             fp_bytes += _nbytes(t)
             elements += t.numel()
+    dtype = layer.keys.dtype if isinstance(layer.keys, torch.Tensor) else torch.float16
     if isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4:
         rows += layer.keys.shape[0] * layer.keys.shape[2]
-    return _memory(qbytes, fp_bytes, rows, elements * 2, qbytes + fp_bytes)
+    return _memory(qbytes, fp_bytes, rows, elements * 2, qbytes + fp_bytes,
+                   baseline_bytes=elements * dtype.itemsize, baseline_dtype=dtype_name(dtype))
 
 
 def _nbytes(t) -> int:
@@ -350,15 +354,20 @@ class KVarNCache(Cache):
         return {i: layer.flavours() for i, layer in enumerate(self.layers) if isinstance(layer, KVarNAutoLayer)}
 
     def memory_report(self) -> dict:
-        """Bytes actually stored, per layer and in total.
+        """Bytes actually stored, per layer and in total, against what the model's own cache holds.
 
         Per layer and in ``total``: ``tokens`` (real tokens held, summed over rows),
         ``quantized_tiles`` (tile x KV-head records), ``quantized_bytes`` (encoded tiles: codes and
-        scales, kvarn records padded as in spec section 4), ``full_precision_bytes`` (sink, tail,
-        sliding-window layers and unquantized tiles, in the model dtype), ``total_bytes``,
-        ``fp16_equivalent_bytes`` (the same tokens as fp16 K and V), ``compression_ratio``
-        (fp16-equivalent over total), ``reserved_bytes`` (allocated buffer capacity) and
-        ``decoded_cache_bytes`` (the optional dequantized working copy; not part of ``total_bytes``).
+        scales, kvarn records padded as in docs/algorithm.md), ``full_precision_bytes`` (sink, tail,
+        sliding-window layers and unquantized tiles, in the model dtype), ``total_bytes``;
+        ``baseline_bytes``: the same tokens' K and V as the model's own cache holds them, in the
+        model dtype named by ``baseline_dtype`` (``"float32"`` for an fp32 model), and
+        ``compression_ratio`` = baseline over total; ``fp16_equivalent_bytes`` and
+        ``compression_vs_fp16``: the same against fp16 K and V, whatever the model dtype;
+        ``reserved_bytes`` (allocated buffer capacity: buffers grow by 10% at a time, so it stays
+        within 10% of the stored bytes plus one full-precision tile per row and layer, for rows of
+        equal length) and ``decoded_cache_bytes`` (the optional dequantized working copy; not part
+        of ``total_bytes``).
         """
         layers = []
         for i, layer in enumerate(self.layers):
@@ -373,15 +382,18 @@ class KVarNCache(Cache):
                 n = 0 if keys is None or keys.dim() < 4 else keys.numel() * 2
                 esize = 0 if keys is None else keys.element_size()
                 tokens = 0 if not n else keys.shape[0] * keys.shape[2]
-                entry = _memory(0, n * esize, tokens, n * 2, n * esize)
+                entry = _memory(0, n * esize, tokens, n * 2, n * esize, baseline_bytes=n * esize,
+                                baseline_dtype=None if keys is None else dtype_name(keys.dtype))
                 kind = "full_precision_sliding"
             layers.append({"layer": i, "kind": kind, **entry})
         keys = ("tokens", "quantized_tiles", "quantized_bytes", "full_precision_bytes",
-                "fp16_equivalent_bytes", "reserved_bytes", "decoded_cache_bytes")
+                "fp16_equivalent_bytes", "reserved_bytes", "decoded_cache_bytes", "baseline_bytes")
         sums = {k: sum(entry[k] for entry in layers) for k in keys}
+        dtypes = sorted({e["baseline_dtype"] for e in layers if e["tokens"] and e["baseline_dtype"]})
         total = _memory(sums["quantized_bytes"], sums["full_precision_bytes"], sums["tokens"],
                         sums["fp16_equivalent_bytes"], sums["reserved_bytes"], sums["quantized_tiles"],
-                        sums["decoded_cache_bytes"])
+                        sums["decoded_cache_bytes"], baseline_bytes=sums["baseline_bytes"],
+                        baseline_dtype="+".join(dtypes) or None)
         auto = {"flavours": self.flavours()} if self.method.name == "kvarn-auto" else {}
         return {"method": self.method.name, "preset": self.config.name,
                 "sink_tokens": self.config.sink_tokens, "total": total, "layers": layers, **auto}

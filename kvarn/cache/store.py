@@ -2,8 +2,9 @@
 
 Every stored field is one preallocated tensor ``[B, Hk, capacity, *per_tile_shape]``; row ``b`` uses
 slots ``0 .. count[b]-1`` (rows may hold different numbers of tiles: left padding shifts where a
-row's tiles start). Capacity doubles when a row needs more slots, so appending a tile never copies
-the history. Unused slots are zeros, which decode to zeros.
+row's tiles start). Capacity grows geometrically (by at least 10%, see
+:func:`grown_capacity`) when a row needs more slots, so appends stay amortized
+O(1) while reserved slots stay within 10% of the used ones. Unused slots are zeros, which decode to zeros.
 
 Fields per (row, KV head, tile), by method format (see :mod:`kvarn.methods`):
 
@@ -22,6 +23,14 @@ import torch
 from ..codec import FIELD_ORDER, TileFields
 from ..flavour import Flavours
 from ..methods import RECORD_METHODS, EncodedKV, TileCodec
+
+def grown_capacity(capacity: int, need: int, limit: int | None = None) -> int:
+    """Capacity for ``need`` slots: ``need``, or 10% more than ``capacity`` when that is larger
+    (geometric growth keeps appends amortized O(1)); at most ``limit`` (unless ``need`` is larger).
+    A buffer sized this way is never more than 10% (plus one slot) above what it holds."""
+    new = max(need, capacity + max(capacity // 10, 1))
+    return new if limit is None else min(new, max(limit, need))
+
 
 _FLOAT_FIELDS = ("k_fp8", "k_scale", "v_fp8", "v_scale")
 
@@ -129,7 +138,7 @@ class TileStore:
 
     # writing ------------------------------------------------------------------------------------
     def _grow(self, need: int) -> None:
-        new = max(need, 2 * self.capacity, 4)
+        new = grown_capacity(self.capacity, need)  # +10% at least: geometric, little slack
         for name, x in self.fields.items():
             y = x.new_zeros(x.shape[0], x.shape[1], new, *x.shape[3:])
             y[:, :, : self.capacity] = x

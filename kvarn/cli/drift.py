@@ -1,12 +1,15 @@
 """``kvarn drift --model M --text FILE [--field F --record I] --tokens N --out DIR``.
 
-Pseudo-decodes a long text in chunks (spec section 7): after each chunk its KV is quantized by each
+Pseudo-decodes a long text in chunks (docs/algorithm.md section 7): after each chunk its KV is quantized by each
 method before later chunks attend. Measures static vs accumulated attention-output error per layer
 and chunk, K/V error and its magnitude/direction decomposition, next-token KL, top-1 agreement and
 perplexity, and (with --new-tokens) greedy generation against fp16. Writes DIR/drift.json,
 DIR/summary.md and PNG plots.
 
-Example: kvarn drift --model smollm2-135m --text ../shared/data/text/wikitext2_test.raw --tokens 2048
+--text takes a bundled corpus by name (wikitext2, reasoning, book; see kvarn/data/SOURCES.md) or a
+file (.txt, .jsonl, either optionally .gz).
+
+Example: kvarn drift --model smollm2-135m --text wikitext2 --tokens 2048 --out out/drift
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("drift", help="error accumulation of quantized KV caches (pseudo-decode)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="bundled model name or local HF folder")
-    p.add_argument("--text", required=True, help="a text file, or a JSONL file (with --field)")
+    p.add_argument("--text", default="wikitext2",
+                   help="bundled corpus (wikitext2, reasoning, book) or a text / JSONL file (default: wikitext2)")
     p.add_argument("--field", default=None, help="JSONL field holding the text (default 'text')")
     p.add_argument("--record", type=int, default=None, help="JSONL record index (default: all records joined)")
     p.add_argument("--tokens", type=int, default=2048, help="token budget (rounded down to whole chunks)")

@@ -91,7 +91,8 @@ def _main(args) -> int:
         f"{main['tokens_per_second']:.2f} tokens/s",
         f"KV cache: {total['total_bytes']} bytes stored ({total['quantized_bytes']} quantized, "
         f"{total['full_precision_bytes']} full precision) for {total['tokens']} token-rows; "
-        f"fp16 would need {total['fp16_equivalent_bytes']}: {total['compression_ratio']:.2f}x smaller",
+        f"the model's own {total['baseline_dtype']} cache would hold {total['baseline_bytes']}: "
+        f"{total['compression_ratio']:.2f}x smaller ({total['compression_vs_fp16']:.2f}x smaller than fp16)",
     ]
     if args.compare:
         first = main["first_divergence"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import KVarNCache, KVarNLayer
-from ..codec import TileFields, record_layout, rotate_kv
+from ..codec import TileFields, check_encoded, record_layout, rotate_kv
 from ..methods import EncodedKV, TileCodec
 
 NAME = "kvarn"
@@ -47,6 +47,12 @@ class TritonTileCodec(TileCodec):
         k = rotate_kv(keys, c).reshape(b, h, n, c.tile, d).transpose(-1, -2)
         v = rotate_kv(values, c).reshape(b, h, n, c.tile, d)
         tiles = kernels.encode_tiles(k, v, c)
+        # The kernel has no range guard of its own; tiles that underflow fp16 are not flagged as
+        # zero tiles here (their subnormal scales decode close to zero): docs/algorithm.md. The
+        # guard reads the scales on the host, which a captured (CUDA-graph) step cannot do: there
+        # the eager steps around the capture are the ones checked.
+        if not (k.is_cuda and torch.cuda.is_current_stream_capturing()):
+            check_encoded(tiles, k, v)
         nbytes = int(round(self.bytes_per_token(d) * b * h * t))
         return EncodedKV(self.method, tuple(keys.shape), nbytes, tiles=tiles)
 

@@ -8,9 +8,10 @@ model packages, e.g. a GPU box:
 
 IDS.pt maps "<model>/<text>" to ``[1, 2048]`` token ids, made with ``kvarn.analysis.tokenize`` from
 ``wikitext2_test.raw`` and record 9 (field ``full_response``) of ``math500_reasoning_traces.jsonl``
+(the bundled corpora ``wikitext2`` and ``reasoning`` record 9, see kvarn/data/SOURCES.md)
 (Gemma ids start with BOS). Equivalent CPU command per model and text, e.g.:
 
-    kvarn drift --model smollm2-135m --text ../shared/data/text/wikitext2_test.raw --tokens 2048 \
+    kvarn drift --model smollm2-135m --text wikitext2 --tokens 2048 \
         --new-tokens 128 --prompt-tokens 512 --out OUT/smollm2-135m_wikitext2
 """
 

@@ -1,8 +1,8 @@
-"""The KVarN attention backend for vLLM 0.32 (v1 engine): paged tile records, spec section 5.
+"""The KVarN attention backend for vLLM 0.32 (v1 engine): paged tile records, docs/algorithm.md section 5.
 
 Paged layout. The KV block size is the tile G. ``customize_spec`` sets ``tokens_per_state = G`` and
 ``state_content_bytes = record_bytes(D)``, so a layer's cache is ``[num_blocks, Hk, 1, record]``
-(viewed as uint8): one KVarN record of spec section 4 per (block, KV head), and the engine sizes
+(viewed as uint8): one KVarN record of docs/algorithm.md section 4 per (block, KV head), and the engine sizes
 its block pool, hence its reported KV capacity in tokens, from the record size.
 
 Per step, the metadata builder turns vLLM's block table, ``seq_lens`` and slot mapping into one
@@ -195,7 +195,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
         self.config = self.settings.config
         if sliding_window is not None and self.config.quantize_sliding_window:
             raise NotImplementedError("quantized sliding-window layers are not supported in vLLM; "
-                                      "leave quantize_sliding_window off (spec section 5 default)")
+                                      "leave quantize_sliding_window off (docs/algorithm.md section 5 default)")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window

@@ -1,8 +1,8 @@
 """Full-precision staging of sink and unfinished tiles, sized and reserved at start-up.
 
-A vLLM block of ``G`` tokens (one tile) holds, per KV head, one KVarN record of spec section 4 in the
-paged cache. Tokens that are not in a committed record live in a staging *slot*, in the rotated
-frame (``k' = k @ H``, computed in fp32) and the model's dtype:
+A vLLM block of ``G`` tokens (one tile) holds, per KV head, one KVarN record of docs/algorithm.md
+section 4 in the paged cache. Tokens that are not in a committed record live in a staging *slot*, in
+the rotated frame (``k' = k @ H``, computed in fp32) and the model's dtype:
 
 - the sink: the first ``S`` tokens of every sequence (``S / G`` blocks), for the sequence's life;
 - the unfinished tile of every sequence (its last block);
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ...codec import encode_tiles, fields_to_records
+from ...codec import check_encoded, encode_tiles, fields_to_records
 from ...config import KVarNConfig
 
 
@@ -66,6 +66,7 @@ def encode_records(k: torch.Tensor, v: torch.Tensor, config: KVarNConfig, use_tr
         from ...kernels import encode_tiles as triton_encode_tiles
 
         fields = triton_encode_tiles(kt.contiguous(), vt.contiguous(), config)
+        check_encoded(fields, kt, vt)  # the kernel has no range guard of its own
     else:
         fields = encode_tiles(kt, vt, config)
     return fields_to_records(fields, config, d)
