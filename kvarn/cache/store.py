@@ -160,10 +160,11 @@ class TileStore:
 
         keys, values: ``[M, Hk, G, D]`` in the model frame and dtype.
         """
-        flavours = None
-        if self.flavours is not None:
-            flavours = self.flavours.select(torch.tensor(rows, device=self.flavours.key_rotate.device))
-        enc = self.codec.encode(keys, values, flavours)
+        if self.flavours is None:
+            enc = self.codec.encode(keys, values)
+        else:  # kvarn-auto: the flavours of the tiles' rows
+            rows_t = torch.tensor(rows, device=self.flavours.key_rotate.device)
+            enc = self.codec.encode(keys, values, self.flavours.select(rows_t))
         new = {name: x[:, :, 0] for name, x in _split(enc, self.codec.config.tile).items()}
         self._first_write(enc, new)
         slots = []
