@@ -152,8 +152,5 @@ def rotate_where(x: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
     x: ``[B, H, T, D]``, flag: bool ``[B, H]``.
     """
     x = x.to(torch.float32)
-    if bool(flag.all()):
-        return rotate(x, torch.float32)
-    if not bool(flag.any()):
-        return x
+    # No shortcut on flag.all(): that would read the device (the decode step must not).
     return torch.where(flag[:, :, None, None], rotate(x, torch.float32), x)

@@ -105,6 +105,9 @@ class TileCodec:
             raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")
         self.config = config
 
+    def raise_deferred(self) -> None:
+        """Raise for a numerics check an encode deferred (nothing here: this codec checks at once)."""
+
     # bytes -----------------------------------------------------------------------------------
     def bytes_per_token(self, head_dim: int) -> float:
         """Stored K+V bytes per token per KV head for a full tile."""

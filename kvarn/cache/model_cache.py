@@ -353,6 +353,13 @@ class KVarNCache(Cache):
         (:meth:`kvarn.flavour.Flavours.names`); None for a layer that has not decided yet. {} otherwise."""
         return {i: layer.flavours() for i, layer in enumerate(self.layers) if isinstance(layer, KVarNAutoLayer)}
 
+    def check_numerics(self) -> None:
+        """ValueError if a tile frozen without a host read (the fused decode step) had a non-finite
+        fp16 scale; other encodes check at once. ``memory_report()`` calls it too."""
+        for layer in self.layers:
+            if isinstance(layer, KVarNLayer):
+                layer.codec.raise_deferred()
+
     def memory_report(self) -> dict:
         """Bytes actually stored, per layer and in total, against what the model's own cache holds.
 
@@ -369,6 +376,7 @@ class KVarNCache(Cache):
         equal length) and ``decoded_cache_bytes`` (the optional dequantized working copy; not part
         of ``total_bytes``).
         """
+        self.check_numerics()
         layers = []
         for i, layer in enumerate(self.layers):
             if isinstance(layer, KVarNLayer):

@@ -24,17 +24,50 @@ max_length=...)``. :func:`cache_for` picks the cache the CLI generates with.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..cache import KVarNCache, KVarNLayer
-from ..codec import TileFields, check_encoded, record_layout, rotate_kv
+from ..codec import FP16_MAX, TileFields, check_encoded, record_layout, rotate_kv
 from ..methods import EncodedKV, TileCodec
 
 NAME = "kvarn"
+_SCALES = ("k_row_scale", "k_row_zero", "k_col_scale", "v_col_scale", "v_row_scale", "v_row_zero")
 
 
 class TritonTileCodec(TileCodec):
-    """The kvarn method's codec with the Triton flush (same fields as the torch codec)."""
+    """The kvarn method's codec with the Triton flush (same fields as the torch codec).
+
+    The kernel has no range guard of its own, so the scales are checked after it
+    (:func:`kvarn.codec.check_encoded`, ValueError naming the magnitude and the fp16 limit). That
+    check reads the device; the host-free decode step (and a captured one) cannot, so there
+    :meth:`deferred` only records on the device whether a scale is non-finite, and
+    :meth:`raise_deferred` (at the next prefill, ``memory_report()`` or
+    ``KVarNCache.check_numerics()``) raises for it. Tiles that underflow fp16 are not flagged as zero
+    tiles on this path (their subnormal scales decode close to zero): docs/algorithm.md.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._defer = False
+        self._bad = None  # device bool: a deferred check found a non-finite scale
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Inside: encodes record non-finite scales on the device instead of reading them back."""
+        self._defer = True
+        try:
+            yield
+        finally:
+            self._defer = False
+
+    def raise_deferred(self) -> None:
+        """ValueError if a deferred check recorded a non-finite scale (reads the device once)."""
+        if self._bad is not None and bool(self._bad):
+            self._bad = None
+            raise ValueError("a tile frozen during a host-free decode step has non-finite fp16 scales: its values "
+                             f"overflow the fp16 limit {FP16_MAX:g} of the stored scales")
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor) -> EncodedKV:
         from .. import kernels
@@ -47,11 +80,10 @@ class TritonTileCodec(TileCodec):
         k = rotate_kv(keys, c).reshape(b, h, n, c.tile, d).transpose(-1, -2)
         v = rotate_kv(values, c).reshape(b, h, n, c.tile, d)
         tiles = kernels.encode_tiles(k, v, c)
-        # The kernel has no range guard of its own; tiles that underflow fp16 are not flagged as
-        # zero tiles here (their subnormal scales decode close to zero): docs/algorithm.md. The
-        # guard reads the scales on the host, which a captured (CUDA-graph) step cannot do: there
-        # the eager steps around the capture are the ones checked.
-        if not (k.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if self._defer or (k.is_cuda and torch.cuda.is_current_stream_capturing()):
+            bad = torch.stack([~torch.isfinite(getattr(tiles, name)).all() for name in _SCALES]).any()
+            self._bad = bad if self._bad is None else self._bad | bad
+        else:
             check_encoded(tiles, k, v)
         nbytes = int(round(self.bytes_per_token(d) * b * h * t))
         return EncodedKV(self.method, tuple(keys.shape), nbytes, tiles=tiles)
@@ -150,6 +182,7 @@ class FusedKVarNLayer(KVarNLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized or self.length == 0:
+            self.codec.raise_deferred()  # a new sequence: report what the last one deferred
             out = super().update(key_states, value_states, *args, **kwargs)  # prefill: exact K/V
             self._sync_lengths()
             return out
@@ -184,7 +217,8 @@ class FusedKVarNLayer(KVarNLayer):
             return
         g = self.tile
         t = self.tail_len[0]
-        self.store.encode_into(self.tail_k[:, :, : n * g], self.tail_v[:, :, : n * g], self._dev_len[1, :1].long())
+        with self.store.codec.deferred():  # no host read in this step (see TritonTileCodec)
+            self.store.encode_into(self.tail_k[:, :, : n * g], self.tail_v[:, :, : n * g], self._dev_len[1, :1].long())
         r = t - n * g
         if r:  # only after a multi-token update; a decode step of one token leaves nothing behind
             self.tail_k[:, :, :r] = self.tail_k[:, :, n * g:t].clone()

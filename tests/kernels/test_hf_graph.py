@@ -118,7 +118,18 @@ def test_steady_steps_read_nothing_back(fused_model, kdevice, monkeypatch):
     # replaced by their torch twins (same signatures; they are checked against the kernels elsewhere).
     monkeypatch.setattr(kernels, "decode_attention",
                         lambda q, *a, **kw: attention.decode_attention(q.float(), *a, **kw).to(q.dtype))
-    monkeypatch.setattr(kernels, "encode_tiles", lambda k, v, c, out=None, **kw: codec.encode_tiles(k, v, c))
+    recording = []  # the calls list of the step being counted
+
+    def encode_stand_in(k, v, c, out=None, **kw):
+        # The torch codec guards its scales on the host; the Triton flush it stands in for has no
+        # guard (TritonTileCodec checks on the device in this step), so its reads are not the step's.
+        n = len(recording[-1]) if recording else 0
+        tiles = codec.encode_tiles(k, v, c)
+        if recording:
+            del recording[-1][n:]
+        return tiles
+
+    monkeypatch.setattr(kernels, "encode_tiles", encode_stand_in)
     model = fused_model
     ids = torch.randint(0, 97, (2, PROMPT), device=kdevice)
     cache = _fused(model, max_length=PROMPT + 16)
@@ -134,7 +145,9 @@ def test_steady_steps_read_nothing_back(fused_model, kdevice, monkeypatch):
             pos += 1
             kinds.append("flush" if layer.tiles_due() else "plain")
             with _count_host_reads(monkeypatch) as calls:
+                recording.append(calls)
                 model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True)
+            recording.clear()
             assert calls == [], f"{kinds[-1]} step {len(kinds)} read the device from the host: {calls}"
     assert "flush" in kinds and layer.store.counts == [1, 1]
     with _count_host_reads(monkeypatch) as calls:
@@ -171,3 +184,27 @@ def test_decode_greedy_refuses_what_it_cannot_capture(fused_model, kdevice):
     cache = _fused(fused_model, max_length=9)
     with pytest.raises(ValueError, match="max_length=9"):
         hf_graph.decode_greedy(fused_model, cache, ids, 4, capture="none")
+
+
+
+def test_host_free_flush_defers_the_scale_check(monkeypatch):
+    """A non-finite scale frozen in a host-free step is not read back then, but raised later."""
+    from kvarn import kernels
+    from kvarn.codec import encode_tiles as torch_encode_tiles
+    from kvarn.config import KVarNConfig
+
+    def overflowing(k, v, c):  # stands in for the Triton flush, which has no guard of its own
+        tiles = torch_encode_tiles(k, v, c)
+        tiles.k_row_scale[..., 3] = float("inf")
+        return tiles
+
+    monkeypatch.setattr(kernels, "encode_tiles", overflowing)
+    codec = hf_attention.TritonTileCodec("kvarn", KVarNConfig(tile=64, sinkhorn_iters=2))
+    keys, values = torch.randn(1, 1, 64, 64), torch.randn(1, 1, 64, 64)
+    with pytest.raises(ValueError, match="overflow their fp16 scales"):
+        codec.encode(keys, values)  # eager: checked at once
+    with codec.deferred():
+        codec.encode(keys, values)  # host-free: recorded on the device only
+    with pytest.raises(ValueError, match="non-finite fp16 scales"):
+        codec.raise_deferred()
+    codec.raise_deferred()  # reported once
