@@ -338,7 +338,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
         """Several new tokens of a request past its prompt: exact attention over
         [sink fp | dequantized records | fp tail]. q: ``[n, Hq, D]`` -> ``[n, Hq, D]``."""
         cfg, g, d, hk = self.config, self.config.tile, self.head_size, self.num_kv_heads
-        n, ctx = q.shape[0], length - q.shape[0]
+        ctx = length - q.shape[0]
         sb = cfg.sink_tokens // g
         nt = max(0, ctx // g - sb)
         host = blocks.cpu()

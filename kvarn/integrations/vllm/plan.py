@@ -156,7 +156,7 @@ def build_plan(index: StagingIndex, tile: int, sink_tokens: int, query_start_loc
     tiles = (ctx[dec] // g - sb).clamp_min(0)
     order = torch.argsort(tiles, stable=True)
     dec, tiles = dec[order], tiles[order]
-    b_len, b_ctx = length[dec], ctx[dec]
+    b_len = length[dec]
     tail0 = torch.where(b_len > sink_tokens, sb * g + tiles * g, b_len)
     n_max = int(tiles.max()) if dec.numel() else 0
     if sb:
