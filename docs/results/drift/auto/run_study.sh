@@ -4,12 +4,11 @@
 # Run from the repository root: sh docs/results/drift/auto/run_study.sh [OUT]
 set -e
 OUT=${1:-docs/results/drift/auto}
-TEXT=${TEXT:-../shared/data/text}
 COMMON="--tokens 2048 --prefill 512 --methods kivi,varn,kvarn,kvarn-auto --auto-rules a2,a3 \
  --presets k2v2_g128,k4v2_g128 --threads 1 --no-progress"
 for model in smollm2-135m gemma3-270m; do
-  kvarn drift --model $model --text $TEXT/wikitext2_test.raw $COMMON --out $OUT/${model}_wikitext2
-  kvarn drift --model $model --text $TEXT/math500_reasoning_traces.jsonl --field full_response --record 9 \
+  kvarn drift --model $model --text wikitext2 $COMMON --out $OUT/${model}_wikitext2
+  kvarn drift --model $model --text reasoning --record 9 \
     $COMMON --out $OUT/${model}_reasoning
-  kvarn drift --model $model --text $TEXT/pg1342_pride_and_prejudice.txt $COMMON --out $OUT/${model}_book
+  kvarn drift --model $model --text book $COMMON --out $OUT/${model}_book
 done
