@@ -188,6 +188,18 @@ def record_field_views(records: torch.Tensor, config: KVarNConfig, head_dim: int
     return TileFields(**out)
 
 
+def store_records(t: TileFields, config: KVarNConfig, head_dim: int) -> torch.Tensor:
+    """TileFields ``[...]`` -> uint8 ``[..., record_bytes]`` in a tile store's order (code matrices
+    transposed, module docstring): the inverse of :func:`record_field_views`. For the spec's byte
+    order use :func:`fields_to_records`."""
+    lead = t.k_codes.shape[:-2]
+    out = torch.zeros(*lead, config.record_bytes(head_dim), dtype=torch.uint8, device=t.k_codes.device)
+    views = record_field_views(out, config, head_dim)
+    for name in FIELD_ORDER:
+        getattr(views, name).copy_(getattr(t, name))
+    return out
+
+
 def records_to_fields(records: torch.Tensor, config: KVarNConfig, head_dim: int) -> TileFields:
     """Inverse of :func:`fields_to_records`: contiguous copies of every field.
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvarn.codec import fields_to_records
+from kvarn.codec import FIELD_ORDER, fields_to_records, record_field_views
 from kvarn.config import PRESETS
 from kvarn.integrations.vllm.settings import is_requested, kv_cache_dtype_names, settings_from_vllm_config
 from kvarn.codec import rotate_kv
@@ -65,7 +65,11 @@ def test_records_match_the_transformers_codec():
     staged_k, staged_v = rotate_kv(k, CFG)[None], rotate_kv(v, CFG)[None]  # staging layout [1, G, Hk, D]
     rec = encode_records(staged_k, staged_v, CFG, use_triton=False)  # [1, Hk, R]
     enc = TileCodec("kvarn", CFG).encode(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-    assert torch.equal(rec[:, :, None], fields_to_records(enc.tiles, CFG, D))
+    pages = record_field_views(rec[:, :, None], CFG, D)  # how the backend reads a page
+    for name in FIELD_ORDER:
+        assert torch.equal(getattr(pages, name), getattr(enc.tiles, name)), name
+    # the same bytes as the spec's record, up to the documented transposition of the code matrices
+    assert torch.equal(fields_to_records(pages, CFG, D), fields_to_records(enc.tiles, CFG, D))
 
 
 def test_slot_pool_size_and_bytes():

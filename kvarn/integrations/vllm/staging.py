@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ...codec import check_encoded, encode_tiles, fields_to_records
+from ...codec import check_encoded, encode_tiles, store_records
 from ...config import KVarNConfig
 
 
@@ -58,7 +58,8 @@ def staging_bytes(slots: int, config: KVarNConfig, num_kv_heads: int, head_dim: 
 
 
 def encode_records(k: torch.Tensor, v: torch.Tensor, config: KVarNConfig, use_triton: bool) -> torch.Tensor:
-    """Full rotated tiles ``[n, G, Hk, D]`` (staging layout) -> uint8 records ``[n, Hk, record_bytes]``."""
+    """Full rotated tiles ``[n, G, Hk, D]`` (staging layout) -> uint8 records ``[n, Hk, record_bytes]``
+    in the tile store's order (the backend reads pages with :func:`kvarn.codec.record_field_views`)."""
     d = k.shape[-1]
     kt = k.permute(0, 2, 3, 1).float()  # [n, Hk, D, G]
     vt = v.permute(0, 2, 1, 3).float()  # [n, Hk, G, D]
@@ -69,7 +70,7 @@ def encode_records(k: torch.Tensor, v: torch.Tensor, config: KVarNConfig, use_tr
         check_encoded(fields, kt, vt)  # the kernel has no range guard of its own
     else:
         fields = encode_tiles(kt, vt, config)
-    return fields_to_records(fields, config, d)
+    return store_records(fields, config, d)
 
 
 class StagingIndex:
