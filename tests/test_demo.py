@@ -31,19 +31,22 @@ def _generation():
     return {"reference": "fp16", "max_new_tokens": 8, "runs": runs}
 
 
+FAKE_METHODS = ["fp16", "kivi", "kvarn"]  # the methods of the fake study document above
+
+
 def test_method_list_is_one_list():
-    assert DEMO_METHODS[0] == "fp16" and {"kivi", "kvarn"} <= set(DEMO_METHODS)
+    assert DEMO_METHODS[0] == "fp16" and {"kivi", "kvarn", "kvarn-auto"} <= set(DEMO_METHODS)
 
 
 def test_error_rows_use_the_last_chunk():
-    rows = {r["method"]: r for r in error_rows(_doc(), DEMO_METHODS, "k2v2_g128")}
+    rows = {r["method"]: r for r in error_rows(_doc(), FAKE_METHODS, "k2v2_g128")}
     assert rows["kivi"]["accumulated_last"] == 0.10 and rows["kvarn"]["static_last"] == 0.035
     assert rows["kvarn"]["accumulated_mean"] == (0.045 + 0.05) / 2  # chunks that read quantized history
 
 
 def test_summary_states_memory_error_and_figure():
     md = summary_markdown(model="smollm2-135m", preset="k2v2_g128", dtype="float32", tokens=512, text="wikitext2",
-                          errors=error_rows(_doc(), DEMO_METHODS, "k2v2_g128"), generation=_generation(),
+                          errors=error_rows(_doc(), FAKE_METHODS, "k2v2_g128"), generation=_generation(),
                           figure=Path("demo_out/drift/mae_vs_context.png"), seconds=12.0)
     assert "| kivi | 0 KiB | 2.50 | 1.25 | 25% | 3 |" in md
     assert "| kvarn | 0.0350 | 0.0500 | 1.43 |" in md

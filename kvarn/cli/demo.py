@@ -22,7 +22,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 #: The methods the demo compares, in order; fp16 is the reference. Append a method name to show it.
-DEMO_METHODS = ["fp16", "kivi", "kvarn"]
+DEMO_METHODS = ["fp16", "kivi", "kvarn", "kvarn-auto"]
+# An exact first pass of two tiles: kvarn-auto decides from it (sink + one full tile past it).
+PREFILL = 256
 INSTRUCTION = "\n\nSummarize the text above in two sentences."
 
 
@@ -176,7 +178,7 @@ def _run(args) -> int:
     ids = tokenize(tokenizer, text, args.tokens, multiple_of=128)
     out = Path(args.out)
     doc = run_drift(model, ids, parse_specs(methods, [args.preset]), out / "drift", model_name=args.model,
-                    progress=not args.no_progress, extra={"text": str(args.text)})
+                    progress=not args.no_progress, extra={"text": str(args.text)}, prefill=PREFILL)
     figure = out / "drift" / "mae_vs_context.png"
     prompt = text[: args.prompt_chars].rsplit(" ", 1)[0] + INSTRUCTION
     generation = compare(model, tokenizer, prompt, methods=methods, preset=args.preset,
