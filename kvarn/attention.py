@@ -35,7 +35,7 @@ from .codec import TileFields, decode_tiles
 from .config import KVarNConfig
 from .flavour import rotate_where
 
-__all__ = ["decode_attention", "check_decode_inputs"]
+__all__ = ["decode_attention", "check_decode_inputs", "head_flags"]
 
 
 def _lengths(x: torch.Tensor | None, full: int, batch: int, name: str, device) -> torch.Tensor:
@@ -46,7 +46,8 @@ def _lengths(x: torch.Tensor | None, full: int, batch: int, name: str, device) -
     return x.to(device=device, dtype=torch.int32)
 
 
-def _flags(x: torch.Tensor | None, batch: int, heads: int, name: str, device) -> torch.Tensor:
+def head_flags(x: torch.Tensor | None, batch: int, heads: int, name: str, device) -> torch.Tensor:
+    """A validated per-(row, KV head) frame flag, bool ``[B, Hk]`` (None: all True, the spec)."""
     if x is None:
         return torch.ones(batch, heads, dtype=torch.bool, device=device)
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bool or tuple(x.shape) != (batch, heads):
@@ -136,8 +137,8 @@ def decode_attention(
     if fp_frame not in ("rotated", "model"):
         raise ValueError(f"fp_frame={fp_frame!r}; choose 'rotated' or 'model'")
     dev = query.device
-    k_rot = _flags(key_rotated, b, hk, "key_rotated", dev)
-    v_rot = _flags(value_rotated, b, hk, "value_rotated", dev)
+    k_rot = head_flags(key_rotated, b, hk, "key_rotated", dev)
+    v_rot = head_flags(value_rotated, b, hk, "value_rotated", dev)
     if fp_frame == "model":
         sink_k, tail_k = (None if x is None else rotate_where(x, k_rot) for x in (sink_k, tail_k))
         sink_v, tail_v = (None if x is None else rotate_where(x, v_rot) for x in (sink_v, tail_v))

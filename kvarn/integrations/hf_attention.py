@@ -29,11 +29,10 @@ import contextlib
 import torch
 
 from ..cache import KVarNCache, KVarNLayer
-from ..codec import FP16_MAX, TileFields, check_encoded, record_layout, rotate_kv
+from ..codec import FP16_MAX, TileFields, check_encoded, nonfinite_scales, record_layout, rotate_kv
 from ..methods import EncodedKV, TileCodec
 
 NAME = "kvarn"
-_SCALES = ("k_row_scale", "k_row_zero", "k_col_scale", "v_col_scale", "v_row_scale", "v_row_zero")
 
 
 class TritonTileCodec(TileCodec):
@@ -81,7 +80,7 @@ class TritonTileCodec(TileCodec):
         v = rotate_kv(values, c).reshape(b, h, n, c.tile, d)
         tiles = kernels.encode_tiles(k, v, c)
         if self._defer or (k.is_cuda and torch.cuda.is_current_stream_capturing()):
-            bad = torch.stack([~torch.isfinite(getattr(tiles, name)).all() for name in _SCALES]).any()
+            bad = nonfinite_scales(tiles)
             self._bad = bad if self._bad is None else self._bad | bad
         else:
             check_encoded(tiles, k, v)

@@ -42,8 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import check_decode_inputs
-from ..codec import TileFields
+from ..attention import check_decode_inputs, head_flags
+from ..codec import FIELD_ORDER, TileFields
 from ..config import KVarNConfig
 from ..hadamard import hadamard_matrix
 from .decode_blocks import fp_block, hilo, merge_splits, prefetch_l2, rotate_rows, tile_step
@@ -225,15 +225,6 @@ def _lengths(x, full, batch, device):
     return x.to(device=device, dtype=torch.int32)
 
 
-def _flags(x, name, b, hk, device):
-    if x is None:
-        return None
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.bool or tuple(x.shape) != (b, hk):
-        got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{name} must be a bool tensor [B={b}, Hk={hk}] or None, got {got}")
-    return x.to(device=device, dtype=torch.int8).contiguous()
-
-
 def decode_attention(
     query: torch.Tensor,
     sink_k: torch.Tensor | None,
@@ -265,9 +256,9 @@ def decode_attention(
     over the sink and tail), both planned from the batch and the SM count by default;
     ``num_warps`` (2 by default, 4 for more than 8 query rows) and ``max_registers`` per thread
     (128 by default with 2 warps and D <= 128: a full wave of programs per multiprocessor);
-    ``l2_prefetch``: ask L2 for the next tile's codes while a tile is computed. With ``causal`` and Tq > 1 the tail
-    length precondition (R >= Tq) is the caller's: it is not checked on the device, to avoid a
-    host synchronization.
+    ``l2_prefetch``: ask L2 for the next tile's codes while a tile is computed. With ``causal`` and
+    Tq > 1 the tail length precondition (R >= Tq) is the caller's: it is not checked on the device,
+    to avoid a host synchronization.
     """
     b, hq, tq, d, hk = check_decode_inputs(query, sink_k, sink_v, tiles, tail_k, tail_v, config)
     if fp_frame not in ("rotated", "model"):
@@ -280,11 +271,9 @@ def decode_attention(
     m = max(4, triton.next_power_of_2(group * tq))
     scale = (1.0 / math.sqrt(d) if scaling is None else float(scaling)) * LOG2E
     hmat = _pm1_hadamard(d, dev)
-    krot = _flags(key_rotated, "key_rotated", b, hk, dev)
-    vrot = _flags(value_rotated, "value_rotated", b, hk, dev)
-    if (krot is None) != (vrot is None):
-        krot = torch.ones(b, hk, dtype=torch.int8, device=dev) if krot is None else krot
-        vrot = torch.ones(b, hk, dtype=torch.int8, device=dev) if vrot is None else vrot
+    flagged = key_rotated is not None or value_rotated is not None  # else the spec: no flags read
+    krot, vrot = (head_flags(x, b, hk, name, dev).to(torch.int8).contiguous() if flagged else None
+                  for x, name in ((key_rotated, "key_rotated"), (value_rotated, "value_rotated")))
 
     dummy = query.new_zeros(1, 1, 1, d)
     sk, sv = (sink_k, sink_v) if sink_k is not None else (dummy, dummy)
@@ -302,17 +291,17 @@ def decode_attention(
     if no_tiles:  # a placeholder, never read
         tiles, n_cap = empty_fields((1, 1, 1), config, d, dev), 0
     tile_args = []
-    for name, inner in (("k_codes", 2), ("k_row_scale", 1), ("k_row_zero", 1), ("k_col_scale", 1),
-                        ("v_codes", 2), ("v_col_scale", 1), ("v_row_scale", 1), ("v_row_zero", 1)):
+    for name in FIELD_ORDER:  # the kernel's argument order: codes 2-D per tile, scales 1-D
         x = getattr(tiles, name)
-        tile_args += [x, *((0, 0, 0) if no_tiles else lead_strides(x, 3, inner))]
+        tile_args += [x, *((0, 0, 0) if no_tiles else lead_strides(x, 3, 2 if name.endswith("codes") else 1))]
 
-    plan_t, plan_f = plan_splits(b * hk, n_cap, s_cap + r_cap, dev)
-    splits = plan_t if num_splits is None else max(1, min(int(num_splits), n_cap)) if n_cap else 0
+    splits, fps = plan_splits(b * hk, n_cap, s_cap + r_cap, dev)
+    if num_splits is not None and n_cap:
+        splits = max(1, min(int(num_splits), n_cap))
+    if fp_splits is not None and fps:
+        fps = max(1, min(int(fp_splits), -(-(s_cap + r_cap) // BLOCK_N)))
     per_split = -(-n_cap // splits) if splits else 1
-    splits = -(-n_cap // per_split) if splits else 0
-    fp_blocks = -(-(s_cap + r_cap) // BLOCK_N)
-    fps = plan_f if fp_splits is None else max(1, min(int(fp_splits), fp_blocks)) if fp_blocks else 0
+    splits = -(-n_cap // per_split) if splits else 0  # no empty split at the end
     ns = splits + fps
     if ns == 0:  # nothing to attend to: every query sees no key
         return torch.zeros_like(query)
