@@ -32,8 +32,18 @@ CONTEXTS = (4096, 16384, 65536, 131072)
 BATCHES = (1, 8, 32)
 PRESETS = ("k2v2_g128", "k4v2_g128")
 PEAK = 4.8e12
-# (num_warps, max_registers, split multiplier, L2 prefetch) tried by --sweep besides the default plan.
-SWEEP = ((1, 255, 2.0), (2, 168, 1.0), (2, 128, 2.0), (2, 128, 0.5), (2, 128, 0.25), (2, 128, 1.0, False))
+# Knob settings tried with --sweep, by name: "splits" multiplies the two-wave plan's number of splits.
+SWEEP = {
+    "w2_s2": {"num_warps": 2, "num_stages": 2},
+    "w2_s3": {"num_warps": 2, "num_stages": 3},
+    "w2_s3_r168": {"num_warps": 2, "num_stages": 3, "max_registers": 168},
+    "w2_s2_r144": {"num_warps": 2, "num_stages": 2, "max_registers": 144},
+    "w1_s2": {"num_warps": 1, "num_stages": 2},
+    "w1_s3": {"num_warps": 1, "num_stages": 3},
+    "w1_s2_r168": {"num_warps": 1, "num_stages": 2, "max_registers": 168},
+    "w1_s2_r192": {"num_warps": 1, "num_stages": 2, "max_registers": 192},
+    "w1_s2_x0.5": {"num_warps": 1, "num_stages": 2, "splits": 0.5},
+}
 
 
 def split_context(t, cfg):
@@ -120,12 +130,12 @@ def run(shapes, batches, contexts, presets, sweep, cold_bytes):
                     if sweep:
                         base_splits = plan_splits(b * hk, n, s + r, dev)[0]
                         tried = {}
-                        for warps, regs, mult, *pf in SWEEP:
-                            kw = {"num_warps": warps, "max_registers": regs,
-                                  "num_splits": max(1, round(base_splits * mult)), "l2_prefetch": pf != [False]}
+                        for label, knobs in SWEEP.items():
+                            kw = {k: v for k, v in knobs.items() if k != "splits"}
+                            if "splits" in knobs:
+                                kw["num_splits"] = max(1, round(base_splits * knobs["splits"]))
                             _, make_kv, _, _ = case_fns(b, hq, hk, d, t, cfg, dev, kw)
-                            tt = bench(cycling(make_kv, kv_bytes, cold_bytes))
-                            tried[f"w{warps}_r{regs}_x{mult}" + ("_nopf" if pf == [False] else "")] = tt * 1e6
+                            tried[label] = bench(cycling(make_kv, kv_bytes, cold_bytes)) * 1e6
                         best = min(tried, key=tried.get)
                         cell.update(sweep=tried, best=best, best_speedup=t_fp / (tried[best] * 1e-6))
                     row[name] = cell

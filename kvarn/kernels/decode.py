@@ -5,6 +5,9 @@ Programs: per (sequence, KV head), ``fp_splits`` programs over the full-precisio
 and ``tile_splits`` programs over ranges of quantized tiles. Each program reads its tiles once for
 all ``M = GROUP * Tq`` query rows of the KV head. Every program writes ``(m, l, acc)``; the last
 program of a (sequence, head) to finish (an atomic counter) merges them and un-rotates.
+A tile's fields are loaded together (:func:`decode_blocks.tile_load`); with ``num_stages`` >= 2
+Triton's pipeline copies tile n+1's fields to shared memory while tile n is computed, so the loop
+does not wait on memory. :func:`launch_plan` picks warps, register cap, stages and waves.
 
 Orientation: both products are transposed, so the packed codes are the left (register) operand
 and the small side is the query rows. With the scales folded (spec section 5):
@@ -46,15 +49,33 @@ from ..attention import check_decode_inputs, head_flags
 from ..codec import FIELD_ORDER, TileFields
 from ..config import KVarNConfig
 from ..hadamard import hadamard_matrix
-from .decode_blocks import fp_block, hilo, merge_splits, prefetch_l2, rotate_rows, tile_step
+from .decode_blocks import fp_block, hilo, merge_splits, prefetch_l2, rotate_rows, tile_load, tile_step
 from .layout import check_device, empty_fields, interpreting, lead_strides
 
 LOG2E = 1.4426950408889634
 BLOCK_N = tl.constexpr(32)  # full-precision tokens per step
-PROGRAMS_PER_SM = 8  # resident 2-warp programs per multiprocessor at the register cap
+PROGRAMS_PER_SM = 8  # resident programs per multiprocessor (1 warp at ~250 registers, 2 at 128)
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
-MAXNREG = 128
+WIDE_BATCH = 64  # (sequence, KV head) pairs from which one-warp programs fill the machine
+
+
+def launch_plan(batch_heads: int, d: int, m: int) -> tuple[int, int | None, int, int]:
+    """(num_warps, register cap, num_stages, waves) by default, from the H200 sweep
+    (``bench_decode_attention.py --sweep``, BENCHMARKS.md).
+
+    Many (sequence, head) pairs and D <= 128: one warp per program, uncapped (about 250 registers,
+    no spills, no cross-warp barriers), one wave. Few pairs (batch 1): two warps at 168 registers
+    with a 3-stage pipeline, two waves, so more programs share the work. More than 8 query rows
+    per KV head: four warps.
+    """
+    if m > 8:
+        return 4, None, 2, 2
+    if d > 128:
+        return 2, None, 2, 2
+    if batch_heads >= WIDE_BATCH:
+        return 1, None, 2, 1
+    return 2, 168, 3, 2
 
 
 @triton.jit
@@ -140,19 +161,19 @@ def _decode_attention_kernel(
         VL: tl.constexpr = G * VB * D // 8 // 128
         lines = tl.arange(0, triton.next_power_of_2(KL + VL))
         for n in range(t_start, t_end):
+            fields = tile_load(n, b64, h64, t, c, d, g,
+                               kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
+                               kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
+                               vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
+                               vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
+                               D, G, VB)
             if PREFETCH:
                 nxt = b64 * 0 + tl.minimum(n + 1, t_end - 1)
                 kl = tl.minimum(lines, KL - 1)
                 vl = tl.minimum(tl.maximum(lines - KL, 0), VL - 1)
                 prefetch_l2(tl.where(lines < KL, kc_ptr + b64 * kc_sb + h64 * kc_sh + nxt * kc_sn + kl * 128,
                                      vc_ptr + b64 * vc_sb + h64 * vc_sh + nxt * vc_sn + vl * 128))
-            m_i, l_i, accs = tile_step(
-                qt, n, b64, h64, m_i, l_i, accs, t, c, d, g,
-                kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
-                kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
-                vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
-                vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
-                D, G, KB, VB, KSCALE, VSCALE, ASM)
+            m_i, l_i, accs = tile_step(fields, qt, m_i, l_i, accs, KB, VB, KSCALE, VSCALE, ASM)
 
     # Partial result of this program: rows = query rows, channels at their natural index.
     pbase = (bh.to(tl.int64) * NS + sp) * M
@@ -203,16 +224,19 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def plan_splits(batch_heads: int, n_tiles: int, fp_tokens: int, device: torch.device) -> tuple[int, int]:
+def plan_splits(batch_heads: int, n_tiles: int, fp_tokens: int, device: torch.device,
+                waves: int = 2) -> tuple[int, int]:
     """(tile splits, fp splits) per (sequence, head).
 
-    About two waves of PROGRAMS_PER_SM programs per multiprocessor (measured faster than one on
-    the H200: a program's prologue overlaps another's tiles), at least MIN_TILES_PER_SPLIT tiles per
+    ``waves`` (1 or 2) waves of PROGRAMS_PER_SM programs per multiprocessor (two measured faster for
+    two-warp programs on the H200: a program's prologue overlaps another's tiles; one for one-warp
+    programs), at least MIN_TILES_PER_SPLIT tiles per
     split and at most MAX_SPLITS splits: the last program merges every split's partial alone, so
     many tiny splits cost more in the merge than they gain (batch 1). The fp region (a BLOCK_N
     block of fp16 tokens reads as much as ~3 tiles) is split when the tiles alone leave room.
     """
-    want = max(1, -(-2 * PROGRAMS_PER_SM * _num_sms(device) // batch_heads))
+    full = PROGRAMS_PER_SM * _num_sms(device)
+    want = max(1, -(-2 * full // batch_heads) if waves == 2 else full // batch_heads)
     tile_splits = max(1, min(want, -(-n_tiles // MIN_TILES_PER_SPLIT), MAX_SPLITS)) if n_tiles else 0
     fp_blocks = -(-fp_tokens // BLOCK_N)
     fp_splits = min(fp_blocks, max(1, want // 32)) if fp_blocks else 0
@@ -247,6 +271,7 @@ def decode_attention(
     num_warps: int | None = None,
     max_registers: int | None = None,
     l2_prefetch: bool = True,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`kvarn.attention.decode_attention` (see there for shapes), on CUDA.
 
@@ -254,8 +279,10 @@ def decode_attention(
     contiguous; tile fields contiguous within a tile (views of a record buffer are fine).
     Tuning knobs: ``num_splits`` (tile splits per sequence and head) and ``fp_splits`` (programs
     over the sink and tail), both planned from the batch and the SM count by default;
-    ``num_warps`` (2 by default, 4 for more than 8 query rows) and ``max_registers`` per thread
-    (128 by default with 2 warps and D <= 128: a full wave of programs per multiprocessor);
+    ``num_warps``, ``max_registers`` per thread and ``num_stages`` (Triton's software pipeline over
+    the tile loop: with 2 or more, tile n+1's fields are copied to shared memory asynchronously
+    while tile n is computed), chosen by :func:`launch_plan` by default (an explicit ``num_warps``
+    means two waves of programs and no register cap unless ``max_registers`` is given);
     ``l2_prefetch``: ask L2 for the next tile's codes while a tile is computed. With ``causal`` and
     Tq > 1 the tail length precondition (R >= Tq) is the caller's: it is not checked on the device,
     to avoid a host synchronization.
@@ -295,7 +322,12 @@ def decode_attention(
         x = getattr(tiles, name)
         tile_args += [x, *((0, 0, 0) if no_tiles else lead_strides(x, 3, 2 if name.endswith("codes") else 1))]
 
-    splits, fps = plan_splits(b * hk, n_cap, s_cap + r_cap, dev)
+    warps, regs, stages, waves = launch_plan(b * hk, d, m)
+    if num_warps is not None:  # an explicit choice keeps the two-wave plan and no cap unless asked
+        warps, regs, waves = int(num_warps), None, 2
+    regs = max_registers if max_registers is not None else regs
+    stages = stages if num_stages is None else int(num_stages)
+    splits, fps = plan_splits(b * hk, n_cap, s_cap + r_cap, dev, waves)
     if num_splits is not None and n_cap:
         splits = max(1, min(int(num_splits), n_cap))
     if fp_splits is not None and fps:
@@ -305,9 +337,6 @@ def decode_attention(
     ns = splits + fps
     if ns == 0:  # nothing to attend to: every query sees no key
         return torch.zeros_like(query)
-    warps = num_warps if num_warps is not None else (2 if m <= 8 else 4)
-    # The cap keeps a full wave resident at D <= 128; wider heads need the registers (no spills).
-    regs = max_registers if max_registers is not None else (MAXNREG if warps == 2 and d <= 128 else None)
 
     out = torch.empty_like(query)
     pacc = torch.empty(b * hk * ns * m * d, dtype=torch.float32, device=dev)
@@ -327,6 +356,6 @@ def decode_attention(
         SINGLE=ns == 1,
         KSCALE=1.0 if config.key_bits == 8 else 512.0, VSCALE=1.0 if config.value_bits == 8 else 512.0,
         ASM=not interpreting(), QHILO=query.dtype != torch.float16,
-        PREFETCH=bool(l2_prefetch) and not interpreting(), num_warps=warps, num_stages=1, **opts,
+        PREFETCH=bool(l2_prefetch) and not interpreting(), num_warps=warps, num_stages=stages, **opts,
     )
     return out

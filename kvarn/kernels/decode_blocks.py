@@ -149,45 +149,68 @@ def fp_block(
 
 
 @triton.jit
-def tile_step(
-    qt, n, b64, h64, m_i, l_i, accs, t, c, d, g,
+def tile_load(
+    n, b64, h64, t, c, d, g,
     kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
     kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
     vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
     vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
-    D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
-    KSCALE: tl.constexpr, VSCALE: tl.constexpr, ASM: tl.constexpr,
+    D: tl.constexpr, G: tl.constexpr, VB: tl.constexpr,
 ):
-    """One quantized tile: scores per K bit plane, online softmax in token order, V per bit plane."""
-    PK: tl.constexpr = 8 // KB
+    """Every field of tile ``n``, as registers: issued together, before any use, so one memory
+    latency per tile is paid, and the kernel loads tile n+1 while it computes tile n."""
     PV: tl.constexpr = 8 // VB
     n64 = b64 * 0 + n
     # K bytes [G/PK, D] and V bytes [D/PV, G]: rows run along each product's reduction axis.
     kc = tl.load(kc_ptr + b64 * kc_sb + h64 * kc_sh + n64 * kc_sn + t[:, None] * D + d[None, :])
     vc = tl.load(vc_ptr + b64 * vc_sb + h64 * vc_sh + n64 * vc_sn + c[:, None] * G + g[None, :])
-    sk = tl.load(ks_ptr + b64 * ks_sb + h64 * ks_sh + n64 * ks_sn + d).to(tl.float32)
-    zk = tl.load(kz_ptr + b64 * kz_sb + h64 * kz_sh + n64 * kz_sn + d).to(tl.float32)
-    rk = tl.load(kr_ptr + b64 * kr_sb + h64 * kr_sh + n64 * kr_sn + g).to(tl.float32)
-    sv = tl.load(vs_ptr + b64 * vs_sb + h64 * vs_sh + n64 * vs_sn + g).to(tl.float32)
-    zv = tl.load(vz_ptr + b64 * vz_sb + h64 * vz_sh + n64 * vz_sn + g).to(tl.float32)
-    bqs = hilo(qt * (sk * KSCALE)[:, None])  # [D, 2M]
-    qz = tl.sum(qt * zk[:, None], axis=0)  # [M]
+    sk = tl.load(ks_ptr + b64 * ks_sb + h64 * ks_sh + n64 * ks_sn + d)
+    zk = tl.load(kz_ptr + b64 * kz_sb + h64 * kz_sh + n64 * kz_sn + d)
+    rk = tl.load(kr_ptr + b64 * kr_sb + h64 * kr_sh + n64 * kr_sn + g)
+    sv = tl.load(vs_ptr + b64 * vs_sb + h64 * vs_sh + n64 * vs_sn + g)
+    zv = tl.load(vz_ptr + b64 * vz_sb + h64 * vz_sh + n64 * vz_sn + g)
+    # The V column scales in one load (wide enough for an async copy), split into the PV channel
+    # groups of the V bit planes: group j is channels PV c + j.
+    cv = tl.load(vcs_ptr + b64 * vcs_sb + h64 * vcs_sh + n64 * vcs_sn + d)
+    if PV == 1:
+        cvs = (cv,)
+    elif PV == 2:
+        c0, c1 = tl.split(tl.reshape(cv, [D // 2, 2]))
+        cvs = (c0, c1)
+    else:
+        e, o = tl.split(tl.reshape(cv, [D // 4, 2, 2]))  # channel 4c + 2a + b: e is b = 0, o is b = 1
+        c0, c2 = tl.split(e)
+        c1, c3 = tl.split(o)
+        cvs = (c0, c1, c2, c3)
+    return kc, vc, sk, zk, rk, sv, zv, cvs
+
+
+@triton.jit
+def tile_step(
+    fields, qt, m_i, l_i, accs,
+    KB: tl.constexpr, VB: tl.constexpr, KSCALE: tl.constexpr, VSCALE: tl.constexpr, ASM: tl.constexpr,
+):
+    """One quantized tile (``fields`` from :func:`tile_load`): scores per K bit plane, online
+    softmax in token order, V per bit plane."""
+    PK: tl.constexpr = 8 // KB
+    PV: tl.constexpr = 8 // VB
+    kc, vc, sk, zk, rk, sv, zv, cvs = fields
+    bqs = hilo(qt * (sk.to(tl.float32) * KSCALE)[:, None])  # [D, 2M]
+    qz = tl.sum(qt * zk.to(tl.float32)[:, None], axis=0)  # [M]
     raw = ()
     for i in tl.static_range(PK):
         raw = raw + (pair_sum(tl.dot(code_plane(kc, i * KB, KB, ASM), bqs)),)  # tokens PK t + i
-    s = (interleave_rows(raw, PK) + qz[None, :]) * rk[:, None]  # [G, M], token order
+    s = (interleave_rows(raw, PK) + qz[None, :]) * rk.to(tl.float32)[:, None]  # [G, M], token order
     m_new = tl.maximum(m_i, tl.max(s, axis=0))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[None, :])
     l_i = l_i * alpha + tl.sum(p, axis=0)
-    zs = tl.sum(p * zv[:, None], axis=0)
-    bp = hilo(p * (sv * VSCALE)[:, None])  # [G, 2M]
-    cbase = b64 * vcs_sb + h64 * vcs_sh + n64 * vcs_sn
+    zs = tl.sum(p * zv.to(tl.float32)[:, None], axis=0)
+    bp = hilo(p * (sv.to(tl.float32) * VSCALE)[:, None])  # [G, 2M]
     new = ()
     for j in tl.static_range(PV):
-        cv = tl.load(vcs_ptr + cbase + c * PV + j).to(tl.float32)
         y = pair_sum(tl.dot(code_plane(vc, j * VB, VB, ASM), bp))  # channels PV c + j
-        new = new + (accs[j] * alpha[None, :] + (y + zs[None, :]) * cv[:, None],)
+        new = new + (accs[j] * alpha[None, :] + (y + zs[None, :]) * cvs[j].to(tl.float32)[:, None],)
     return m_new, l_i, new
 
 

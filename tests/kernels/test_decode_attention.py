@@ -18,12 +18,12 @@ kernels = pytest.importorskip("kvarn.kernels", reason="triton is not importable"
 ATOL = 1e-4
 
 
-def check(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=None, fp_splits=None, **kw):
-    """Kernel vs torch twin; ``num_splits``/``fp_splits`` are the kernel's (None: planned)."""
+def check(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=None, fp_splits=None, kernel_kw=None, **kw):
+    """Kernel vs torch twin; ``num_splits``/``fp_splits``/``kernel_kw`` are the kernel's (None: planned)."""
     ref = torch_decode(q.float(), sink_k, sink_v, tiles, tail_k, tail_v, cfg, **kw)
     ref16 = torch_decode(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, compute_dtype=torch.float16, **kw)
     out = kernels.decode_attention(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=num_splits,
-                                   fp_splits=fp_splits, **kw)
+                                   fp_splits=fp_splits, **(kernel_kw or {}), **kw)
     assert out.shape == q.shape and out.dtype == q.dtype and torch.isfinite(out).all()
     e, e16 = rel_err(out, ref), rel_err(ref16, ref)
     assert e <= 2 * e16 + ATOL, f"kernel error {e:.2e} vs torch fp16 {e16:.2e}"
@@ -101,6 +101,22 @@ def test_decode_full_model_frame_bf16(name):
                    tile_counts=torch.tensor([40, 0, 17, 39], device="cuda"),
                    tail_lengths=torch.tensor([cfg.tile - 1, 1, 30, 2], device="cuda"))
     check(q, to_model(sk), to_model(sv), tiles, to_model(tk), to_model(tv), cfg, fp_frame="model", **lengths)
+
+
+@pytest.mark.parametrize("knobs", [
+    dict(num_warps=1, num_stages=2),  # the default at many (sequence, head) pairs
+    dict(num_warps=2, num_stages=3, max_registers=168),  # the default at batch 1
+    dict(num_warps=2, num_stages=1, l2_prefetch=False),
+    dict(num_warps=4, num_stages=2, num_splits=1),
+])
+def test_decode_launch_plans(knobs, kdevice):
+    """Every launch plan :func:`launch_plan` picks from, and explicit knobs, give the twin's result
+    (on a GPU each is its own compiled kernel: pipelined or not, one or more warps)."""
+    cfg = KVarNConfig(key_bits=2, value_bits=2, tile=64)
+    sk, sv, tiles, tk, tv, _, _ = history(2, 2, 5, 64, cfg, kdevice, tail=11, seed=7)
+    q = torch.randn(2, 8, 1, 64, device=kdevice).half()
+    kw = dict(knobs)
+    check(q, sk, sv, tiles, tk, tv, cfg, num_splits=kw.pop("num_splits", 2), kernel_kw=kw)
 
 
 @pytest.mark.parametrize("fp_frame", ["rotated", "model"])
