@@ -22,7 +22,10 @@ values), then ``--new`` greedy tokens are generated; step time = median gap betw
 events (CUDA events recorded by a logits processor or by ``decode_greedy``'s callback; no host
 synchronization), skipping the first three steps. The history is ``context - new // 2`` tokens, so
 that a kvarn tile completes in the middle of the measured steps: ``flush_step_ms`` is that step
-(every layer encodes one tile), ``flush_over_median`` its excess over the median.
+(every layer encodes one tile), ``flush_over_median`` its excess over the median. Under CUDA-graph
+capture the first such step also captures the freeze graph: with ``--new`` of twice the tile size
+and more (272 at G 128) a second tile completes, and the last flush step is the one reported
+(``flush_steps_ms`` lists all of them).
 
 Throughput at capacity (``--capacity-gib``): for each of ``--capacity-caches``, the largest batch
 whose KV (spec section 4 bytes; kvarn with a full tile of tail beside the sink) fits in the budget
@@ -264,10 +267,13 @@ def run_one(model, kind, b, context, new, chunk, device):
     if cuda:
         row.update(peak_gib=max(clock.peaks + [torch.cuda.max_memory_allocated()]) / GIB,
                    peak_later_steps_gib=max(clock.peaks[1:]) / GIB)
-    flushed = [i for i in range(1, len(clock.probes)) if clock.probes[i] != clock.probes[i - 1]]
-    if flushed and flushed[0] - 1 < len(gaps):
-        i = flushed[0]  # the step whose update froze the tile; gaps[i - 1] ends at its event
-        row.update(flush_step=i, flush_step_ms=gaps[i - 1], flush_over_median=gaps[i - 1] / step - 1)
+    # Steps whose update froze a tile (gaps[i - 1] ends at step i's event). Under capture the first
+    # of them also captures the freeze graph; the last one reported is a replay when there are two.
+    flushed = [i for i in range(1, len(clock.probes)) if clock.probes[i] != clock.probes[i - 1] and i - 1 < len(gaps)]
+    if flushed:
+        i = flushed[-1]
+        row.update(flush_steps=flushed, flush_steps_ms=[gaps[j - 1] for j in flushed], flush_step=i,
+                   flush_step_ms=gaps[i - 1], flush_over_median=gaps[i - 1] / step - 1)
     del cache
     return row
 
