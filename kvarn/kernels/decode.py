@@ -66,12 +66,13 @@ def launch_plan(batch_heads: int, d: int, m: int) -> tuple[int, int | None, int,
 
     Many (sequence, head) pairs and D <= 128: one warp per program, uncapped (about 250 registers,
     no spills, no cross-warp barriers), one wave. Few pairs (batch 1): two warps at 168 registers
-    with a 3-stage pipeline, two waves, so more programs share the work. More than 8 query rows
-    per KV head: four warps.
+    with a 3-stage pipeline, two waves, so more programs share the work. D 256, or 8 query rows per
+    KV head (swept at 4 only): two warps uncapped (no spills; one warp would spill at 8 rows, as
+    ptxas reports). More than 8 query rows: four warps.
     """
     if m > 8:
         return 4, None, 2, 2
-    if d > 128:
+    if d > 128 or m > 4:
         return 2, None, 2, 2
     if batch_heads >= WIDE_BATCH:
         return 1, None, 2, 1

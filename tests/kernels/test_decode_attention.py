@@ -106,6 +106,7 @@ def test_decode_full_model_frame_bf16(name):
 @pytest.mark.parametrize("knobs", [
     dict(num_warps=1, num_stages=2),  # the default at many (sequence, head) pairs
     dict(num_warps=2, num_stages=3, max_registers=168),  # the default at batch 1
+    dict(num_warps=2, num_stages=2),  # D 256 or 8 rows per KV head: uncapped
     dict(num_warps=2, num_stages=1, l2_prefetch=False),
     dict(num_warps=4, num_stages=2, num_splits=1),
 ])
