@@ -249,7 +249,8 @@ def fused_cache(model, preset="k4v2_g128", *, max_length: int | None = None, met
 
 def cache_for(model, method: str, preset: str | None, *, device: torch.device | None = None,
               **overrides) -> KVarNCache:
-    """The cache to generate with: fused for ``kvarn`` and ``kvarn-auto`` on CUDA, :class:`KVarNCache` otherwise.
+    """The cache to generate with: fused for ``kvarn`` and ``kvarn-auto`` on CUDA, :class:`KVarNCache`
+    otherwise.
 
     ``device``: where the model runs (default: its parameters' device). The fused cache needs the
     model's attention set to ``"kvarn"`` (:func:`use_fused`); other methods are unaffected by that
