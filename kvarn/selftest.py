@@ -20,7 +20,10 @@ flavours on every layer are run once. Needs ``S + G + chunks * G`` prompt tokens
 (:func:`self_test_tokens`); shorter prompts keep a2's flavours.
 
 Cost: ``chunks * G`` tokens per distinct candidate through the model (two to three candidates:
-about 1.5x a 512-token prefill's forward, 0.4x a 2048-token one), nothing at decode.
+about 1.5x a 512-token prefill's forward, 0.4x a 2048-token one), their full next-token
+distributions (on a large vocabulary the head costs as much again), and one freeze of each chunk's
+tile per candidate (on CPU the torch normalization dominates); nothing at decode. Measured:
+docs/results/drift.md, "Cost".
 """
 
 from __future__ import annotations
