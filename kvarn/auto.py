@@ -12,17 +12,23 @@ keys (after RoPE) and values. For one row and one KV head, with ``S`` sink token
    by per-channel quantization in the model frame, which the rotation would spread error into.
 3. Value score: the attention-weighted output error ``mean_i |sum_j p_ij f_j|``, with the exact
    prompt attention ``p = softmax(q K^T * scale)`` (causal, sink included).
-4. Rule ``"a2"`` (default): keys choose KVarN (rotated) or VarN (model frame), both normalized;
+4. Rule ``"a2"``: keys choose KVarN (rotated) or VarN (model frame), both normalized;
    values choose among {rotation on/off} x {normalization on/off}. Rule ``"a3"``: keys also choose
    among all four. Rule ``"n2"``: normalization stays on for keys and values, only the rotation
    is chosen for each. Ties go to KVarN; with ``margin`` m > 0, another flavour must beat KVarN's
    score by the fraction m (score < (1 - m) x KVarN's) to be chosen.
+5. Rule ``"r3"`` (default): the three policies KVarN, a2 and a3 (each with the margin) are this row's
+   candidates (:attr:`RowDecision.candidates`); a short self-test of the model on the prompt
+   (:mod:`kvarn.selftest`) keeps the one whose logits stay closest to the exact prefill's. Until it
+   has run, and where the prompt is too short for it, the row holds a2's flavours.
 
 Cost: queries are sampled at ``max_queries`` evenly spaced positions past the sink, so one score is
 ``Hq * max_queries * T * D`` multiply-adds, like one attention pass of ``max_queries`` tokens.
 
 Fallback: a row whose prompt has no full tile past the sink (``T < S + G``) keeps the spec's KVarN on
-every head (``decided = False``); so does a layer that never saw its prompt's queries.
+every head (``decided = False``); so does a layer that never saw its prompt's queries. Rule r3 on
+a row with ``S + G <= T < S + 3G`` (too short for the self-test) keeps rule a2's flavours
+(``policy = "a2"``, ``self_test_kl = None``).
 """
 
 from __future__ import annotations
@@ -35,17 +41,19 @@ import torch
 from .config import KVarNConfig
 from .flavour import NAMED, OPTIONS, Flavours, roundtrip_flavoured
 
-RULES = ("a2", "a3", "n2")
+RULES = ("a2", "a3", "n2", "r3")
+#: Rule r3's candidate policies, in the order ties are broken.
+POLICIES = ("kvarn", "a2", "a3")
 QUERY_BLOCK = 64
 
 
 @dataclass(frozen=True)
 class AutoSettings:
-    """How kvarn-auto decides. rule: one of :data:`RULES` (module docstring); margin: the fraction
-    by which a flavour must beat KVarN's score, in [0, 1); max_queries: query positions sampled per
-    row (>= 1)."""
+    """How kvarn-auto decides. rule: one of :data:`RULES` (module docstring; default r3, the
+    self-test); margin: the fraction by which a flavour must beat KVarN's score, in [0, 1);
+    max_queries: query positions sampled per row (>= 1)."""
 
-    rule: str = "a2"
+    rule: str = "r3"
     margin: float = 0.0
     max_queries: int = 256
 
@@ -82,7 +90,11 @@ def _choose(scores: torch.Tensor, candidates: int, margin: float) -> torch.Tenso
 @dataclass
 class RowDecision:
     """The decision of one row of one layer; per-head tensors are ``[Hk]`` (scores ``[Hk, 4]``,
-    columns in :data:`kvarn.flavour.OPTIONS` order: RN, -N, R-, --)."""
+    columns in :data:`kvarn.flavour.OPTIONS` order: RN, -N, R-, --).
+
+    Rule r3: ``candidates`` maps each of :data:`POLICIES` to its four flag tensors; ``policy`` is the
+    one the flags hold (``"a2"`` until the self-test picks one) and ``self_test_kl`` the self-test's
+    KL per policy (None when it did not run)."""
 
     decided: bool
     key_rotate: torch.Tensor
@@ -93,10 +105,24 @@ class RowDecision:
     value_output_error: torch.Tensor | None = None
     variance_energy_corr: torch.Tensor | None = None
     prompt_tokens: int = 0
+    candidates: dict[str, tuple[torch.Tensor, ...]] | None = None
+    policy: str | None = None
+    self_test_kl: dict[str, float] | None = None
+
+    def adopt(self, policy: str, kl: dict[str, float] | None = None) -> None:
+        """Take the flags of candidate ``policy`` (rule r3); ``kl``: the self-test's figures."""
+        if self.candidates is None or policy not in self.candidates:
+            raise ValueError(f"policy {policy!r} is not a candidate of this row; candidates: "
+                             f"{sorted(self.candidates or {})}")
+        (self.key_rotate, self.key_normalize, self.value_rotate, self.value_normalize) = self.candidates[policy]
+        self.policy, self.self_test_kl = policy, kl
 
     def summary(self) -> dict:
         """JSON-ready: flags, and per head the rotated/unrotated key logit errors and correlation."""
         out = {"decided": self.decided, "prompt_tokens": self.prompt_tokens}
+        if self.policy is not None:
+            out["policy"] = self.policy
+            out["self_test_kl"] = self.self_test_kl
         for name in ("key_rotate", "key_normalize", "value_rotate", "value_normalize"):
             out[name] = getattr(self, name).tolist()
         if self.key_logit_error is not None:
@@ -179,16 +205,28 @@ def decide_row(
     key_scores = key_sum / pairs  # [Hk, 4]: mean over causal (query, key) pairs and query heads
     value_scores = value_sum / (grp * len(pos) * d)  # [Hk, 4]: mean over queries, heads, channels
 
-    ki = _choose(key_scores, 4 if settings.rule == "a3" else 2, settings.margin)
-    vi = _choose(value_scores, 2 if settings.rule == "n2" else 4, settings.margin)
     opt = torch.tensor(OPTIONS, dtype=torch.bool, device=k.device)  # [4, 2]
+
+    def flags(rule):
+        ki = _choose(key_scores, 4 if rule == "a3" else 2, settings.margin)
+        vi = _choose(value_scores, 2 if rule == "n2" else 4, settings.margin)
+        return opt[ki, 0], opt[ki, 1], opt[vi, 0], opt[vi, 1]
+
+    candidates = policy = None
+    if settings.rule == "r3":
+        kvarn = tuple(torch.full((hk,), x, dtype=torch.bool, device=k.device) for x in NAMED["kvarn"])
+        candidates = {"kvarn": kvarn, "a2": flags("a2"), "a3": flags("a3")}
+        chosen, policy = candidates["a2"], "a2"
+    else:
+        chosen = flags(settings.rule)
 
     energy = (q.reshape(hk, grp, t, d)[:, :, s:] ** 2).mean(dim=(1, 2))  # [Hk, D]
     variance = k[:, s:].var(dim=1)  # [Hk, D]
     return RowDecision(
-        True, opt[ki, 0], opt[ki, 1], opt[vi, 0], opt[vi, 1],
+        True, *chosen,
         key_logit_error=key_scores.cpu(), value_output_error=value_scores.cpu(),
         variance_energy_corr=_log_corr(variance, energy).cpu(), prompt_tokens=t,
+        candidates=candidates, policy=policy,
     )
 
 
@@ -205,6 +243,10 @@ class LayerDecision:
 
     def select(self, index: list[int]) -> "LayerDecision":
         return LayerDecision([self.rows[i] for i in index])
+
+    def candidate(self, row: int, policy: str) -> Flavours:
+        """Rule r3: the flags of ``policy`` for row ``row`` alone, as :class:`Flavours` ``[1, Hk]``."""
+        return Flavours(*(x[None] for x in self.rows[row].candidates[policy]))
 
 
 def decide(

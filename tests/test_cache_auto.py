@@ -130,3 +130,58 @@ def test_decode_twin_reads_the_layer_view_like_the_cache(smollm2):
             q.double(), k.double().repeat_interleave(3, 1), val.double().repeat_interleave(3, 1))
         torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
     assert checked >= 1
+
+
+def _r3_prompt(tok, tokens=S + 3 * G + 20):
+    """The bundled WikiText excerpt, cut to ``tokens`` tokens (the self-test needs S + 3G)."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "kvarn" / "data" / "wikitext_excerpt.txt").read_text()
+    return tok.decode(tok(text[:2000])["input_ids"][:tokens])
+
+
+def test_rule_r3_self_tests_the_prompt_and_keeps_one_policy_per_row(smollm2):
+    from kvarn.auto import POLICIES, AutoSettings
+
+    model, tok = smollm2
+    cache = KVarNCache(model, "kvarn-auto", "k2v2_g128", auto=AutoSettings(rule="r3"), **SMALL)
+    _generate(model, tok, [_r3_prompt(tok)], cache, n=2)  # generate asks the prefill for 1 logit
+    rows = [f[0] for f in cache.flavours().values()]
+    policy = rows[0]["policy"]
+    assert policy in POLICIES and set(rows[0]["self_test_kl"]) == set(POLICIES)
+    assert rows[0]["self_test_kl"][policy] == min(rows[0]["self_test_kl"].values())
+    assert all(r["policy"] == policy and r["self_test_kl"] == rows[0]["self_test_kl"] for r in rows)
+    for layer in cache.layers:
+        wanted = layer.decision.rows[0].candidates[policy]
+        assert torch.equal(layer.store.flavours.key_rotate[0].cpu(), wanted[0].cpu())
+        assert torch.equal(layer.store.flavours.value_normalize[0].cpu(), wanted[3].cpu())
+    # The same prompt through a plain forward with all logits, and with one: same self-test figures,
+    # and the caller gets the logits it asked for.
+    ids = tok(_r3_prompt(tok), return_tensors="pt")["input_ids"]
+    for keep in (0, 1):
+        c = KVarNCache(model, "kvarn-auto", "k2v2_g128", auto=AutoSettings(rule="r3"), **SMALL)
+        with torch.no_grad():
+            out = model(input_ids=ids, past_key_values=c, use_cache=True, logits_to_keep=keep)
+        assert out.logits.shape[1] == (ids.shape[1] if keep == 0 else 1)
+        kl = c.flavours()[0][0]["self_test_kl"]
+        assert kl == pytest.approx(rows[0]["self_test_kl"], rel=1e-3)
+
+
+def test_rule_r3_falls_back_per_row_when_the_prompt_is_short(smollm2):
+    from kvarn.auto import AutoSettings
+
+    model, tok = smollm2
+    cache = KVarNCache(model, "kvarn-auto", "k2v2_g128", auto=AutoSettings(rule="r3"), **SMALL)
+    inputs, _ = _generate(model, tok, [SHORT, LONG, _r3_prompt(tok)], cache, n=2)
+    real = inputs["attention_mask"].sum(1).tolist()
+    assert real[0] < S + G <= real[1] < S + 3 * G <= real[2]
+    for f in cache.flavours().values():
+        assert f[0]["decided"] is False and "policy" not in f[0]  # too short to decide: KVarN
+        assert f[1]["decided"] and f[1]["policy"] == "a2" and f[1]["self_test_kl"] is None
+        assert f[2]["self_test_kl"] is not None
+    alone = KVarNCache(model, "kvarn-auto", "k2v2_g128", auto=AutoSettings(rule="r3"), **SMALL)
+    _generate(model, tok, [_r3_prompt(tok)], alone, n=1)  # the padded row self-tests on its own tokens
+    # Padded batched attention differs from the row alone by fp32 rounding, which can move a code
+    # across a rounding boundary: the figures agree to about 1%, not bit for bit.
+    padded, single = cache.flavours()[0][2], alone.flavours()[0][0]
+    assert padded["self_test_kl"] == pytest.approx(single["self_test_kl"], rel=2e-2)

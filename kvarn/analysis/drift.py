@@ -122,6 +122,7 @@ class MethodDrift:
     v_decomposition: dict[str, float]
     chunk_nll: list[float] = field(default_factory=list)  # NLL sum per chunk (count: DriftRun.chunk_targets)
     decisions: dict[int, dict] | None = None  # kvarn-auto: layer -> RowDecision.summary() of row 0
+    auto_rule: str | None = None  # kvarn-auto: the decision rule's name (AutoSettings.name)
 
     @property
     def perplexity(self) -> float:
@@ -150,6 +151,7 @@ class _MethodState:
                  auto: AutoSettings | None = None):
         self.key, self.codec, self.layers, self.auto = key, codec, layers, auto
         self.decisions: dict[int, dict] = {}
+        self.layer_decisions: dict[int, object] = {}  # kvarn-auto: layer -> LayerDecision
         self.chunk_nll: list[float] = []
         self.static_freezer = TileFreezer(codec, layers)
         self.acc_freezer = TileFreezer(codec, layers)
@@ -172,6 +174,7 @@ class _MethodState:
             self.a_krel, self.a_vrel, self.kl, self.top1, self.nll_sum, self.nll_count,
             self.k_dec.summary(self.worst), self.v_dec.summary(self.worst),
             list(self.chunk_nll), dict(self.decisions) if self.auto is not None else None,
+            self.auto.name if self.auto is not None else None,
         )
 
     def set_flavours(self, layer: int, decision) -> None:
@@ -180,6 +183,7 @@ class _MethodState:
         self.static_freezer.flavours[layer] = fl
         self.acc_freezer.flavours[layer] = fl
         self.decisions[layer] = decision.rows[0].summary()
+        self.layer_decisions[layer] = decision
 
 
 def chunk_bounds(tokens: int, chunk: int, prefill: int | None = None) -> list[tuple[int, int]]:
@@ -282,6 +286,10 @@ def pseudo_decode(
             n_fp += fp_nll.numel()
             fp_chunk_nll.append(float(fp_nll.sum()))
             chunk_targets.append(fp_nll.numel())
+            if s == 0:
+                for st in run_states:
+                    if st.auto is not None and st.auto.rule == "r3":
+                        _self_test_policy(model, input_ids[:, :e], shadow, fp_logits, st)
             for st in run_states:
                 _static_update(st, shadow, s, e)
             bar.update(1)
@@ -339,6 +347,16 @@ def _decide_prompt(module, q, k, v, kw, run_states, probes, diagnostics) -> None
     for st in run_states:
         if st.auto is not None and layer in st.layers:
             st.set_flavours(layer, get(st.codec.config, st.auto))
+
+
+def _self_test_policy(model, prompt, shadow, fp_logits, st: _MethodState) -> None:
+    """kvarn-auto rule r3: the self-test (:mod:`kvarn.selftest`) on the first pass picks the policy."""
+    from ..selftest import settle
+
+    kv = [(la.keys, la.values) for la in shadow.layers]
+    if settle(model, prompt, kv, st.layer_decisions, st.codec, fp_logits) is not None:
+        for i, d in st.layer_decisions.items():
+            st.set_flavours(i, d)
 
 
 def _record_exact(st: _MethodState, num_layers: int, nll_sum: float, nll_count: int) -> None:

@@ -50,15 +50,24 @@ def _freezer(model, spec: MethodSpec, sink_tokens, quantize_sliding_window, prom
 
 
 def _decide_on_prompt(model, prompt_ids: torch.Tensor, freezer: TileFreezer, settings) -> None:
-    """kvarn-auto: one exact prefill of the prompt sets the freezer's flavours for every quantized layer."""
+    """kvarn-auto: one exact prefill of the prompt sets the freezer's flavours for every quantized layer
+    (rule r3: then the self-test on it, :func:`kvarn.selftest.settle`)."""
+    from ..selftest import settle
+
+    decisions = {}
 
     def observer(module, q, k, v, mask, kw, out):
         if module.layer_idx in freezer.quantized_layers:
             scaling = kw.get("scaling", getattr(module, "scaling", None))
-            freezer.flavours[module.layer_idx] = decide(q, k, v, freezer.config, None, settings, scaling).flavours
+            decisions[module.layer_idx] = decide(q, k, v, freezer.config, None, settings, scaling)
 
+    cache = new_cache(len(attention_modules(model)))
     with observe(model, observer):
-        model(input_ids=prompt_ids, past_key_values=new_cache(len(attention_modules(model))), use_cache=True)
+        logits = model(input_ids=prompt_ids, past_key_values=cache, use_cache=True).logits[0]
+    if settings.rule == "r3":
+        settle(model, prompt_ids, [(la.keys, la.values) for la in cache.layers], decisions, freezer.codec, logits)
+    for i, d in decisions.items():
+        freezer.flavours[i] = d.flavours
 
 
 def greedy(model, prompt_ids: torch.Tensor, freezer: TileFreezer, n_tokens: int, bar=None) -> list[int]:

@@ -14,7 +14,7 @@ from pathlib import Path
 COLORS = {
     "fp16": "black", "fp8": "tab:gray", "rtn": "tab:brown", "quarot": "tab:purple", "kivi": "tab:red",
     "hkivi": "tab:orange", "varn": "tab:olive", "kvarn": "tab:blue", "kvarn-auto": "tab:green",
-    "kvarn-auto-a3": "tab:cyan",
+    "kvarn-auto-a3": "tab:cyan", "kvarn-auto-r3": "tab:pink",
 }
 
 

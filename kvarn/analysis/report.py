@@ -71,7 +71,8 @@ def method_entry(run: DriftRun, r: MethodDrift) -> dict:
     q = r.quantized_layers
     kd, vd = r.k_decomposition, r.v_decomposition
     kl_after, ppl_after = _after_prefill(run, r.kl, r.chunk_nll)
-    extra = {"auto_decisions": {str(k): v for k, v in r.decisions.items()}} if r.decisions is not None else {}
+    extra = {"auto_rule": r.auto_rule, "auto_decisions": {str(k): v for k, v in r.decisions.items()}} \
+        if r.decisions is not None else {}
     return {
         "kl_after_prefill": kl_after,
         "perplexity_after_prefill": ppl_after,

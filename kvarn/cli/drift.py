@@ -37,7 +37,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--prefill", type=int, default=None,
                    help="tokens of the first, exact pass, like a prompt (default: one chunk); kvarn-auto decides from it")
     p.add_argument("--auto-rules", type=_csv, default=None,
-                   help="kvarn-auto decision rules to run, comma-separated: a2, a3, n2, each optionally @margin (default: a2)")
+                   help="kvarn-auto decision rules to run, comma-separated: a2, a3, n2, r3 (the self-test), "
+                        "each optionally @margin (default: r3)")
     p.add_argument("--methods", type=_csv, default=None, help="comma-separated methods (default: all)")
     p.add_argument("--presets", type=_csv, default=None, help="comma-separated presets (default: k2v2_g128,k4v2_g128)")
     p.add_argument("--sink-tokens", type=int, default=None, help="full-precision sink S (default: one tile)")

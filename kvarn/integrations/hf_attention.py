@@ -14,7 +14,10 @@ How the attention function finds the packed storage: a fused layer's ``update`` 
 steps, two empty marker tensors that carry the layer (transformers passes ``update``'s return values
 to the attention function as ``key``/``value``; it does not pass the cache). Complete tiles are
 encoded with the Triton encoder (:func:`kvarn.kernels.encode_tiles`) into the cache's tile store.
-Only the ``kvarn`` method is fused; other methods keep the cache's ordinary read path.
+The ``kvarn`` and ``kvarn-auto`` methods are fused; other methods keep the cache's ordinary read
+path. For kvarn-auto the per-(row, KV head) flavours decided at the prefill (:mod:`kvarn.auto`) are
+encoded by the same kernel (rotation applied per head before it, normalization switched per tile
+inside it) and read by the decode kernel through its ``key_rotated`` / ``value_rotated`` flags.
 
 A decode step of rows in lockstep reads no value back to the host and copies none to the device
 (lengths live on the device, see :class:`FusedKVarNLayer`), so it can be captured in a CUDA graph:
@@ -24,68 +27,15 @@ max_length=...)``. :func:`cache_for` picks the cache the CLI generates with.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ..cache import KVarNCache, KVarNLayer
-from ..codec import FP16_MAX, TileFields, check_encoded, nonfinite_scales, record_layout, rotate_kv
-from ..methods import EncodedKV, TileCodec
+from ..cache.auto import KVarNAutoLayer
+from ..codec import TileFields, record_layout
+from ..methods import TileCodec
+from .triton_codec import TritonTileCodec
 
 NAME = "kvarn"
-
-
-class TritonTileCodec(TileCodec):
-    """The kvarn method's codec with the Triton flush (same fields as the torch codec).
-
-    The kernel has no range guard of its own, so the scales are checked after it
-    (:func:`kvarn.codec.check_encoded`, ValueError naming the magnitude and the fp16 limit). That
-    check reads the device; the host-free decode step (and a captured one) cannot, so there
-    :meth:`deferred` only records on the device whether a scale is non-finite, and
-    :meth:`raise_deferred` (at the next prefill, ``memory_report()`` or
-    ``KVarNCache.check_numerics()``) raises for it. Tiles that underflow fp16 are not flagged as zero
-    tiles on this path (their subnormal scales decode close to zero): docs/algorithm.md.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._defer = False
-        self._bad = None  # device bool: a deferred check found a non-finite scale
-
-    @contextlib.contextmanager
-    def deferred(self):
-        """Inside: encodes record non-finite scales on the device instead of reading them back."""
-        self._defer = True
-        try:
-            yield
-        finally:
-            self._defer = False
-
-    def raise_deferred(self) -> None:
-        """ValueError if a deferred check recorded a non-finite scale (reads the device once)."""
-        if self._bad is not None and bool(self._bad):
-            self._bad = None
-            raise ValueError("a tile frozen during a host-free decode step has non-finite fp16 scales: its values "
-                             f"overflow the fp16 limit {FP16_MAX:g} of the stored scales")
-
-    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> EncodedKV:
-        from .. import kernels
-
-        if self.method.name != "kvarn":
-            return super().encode(keys, values)
-        b, h, t, d = keys.shape
-        c = self.config
-        n = t // c.tile
-        k = rotate_kv(keys, c).reshape(b, h, n, c.tile, d).transpose(-1, -2)
-        v = rotate_kv(values, c).reshape(b, h, n, c.tile, d)
-        tiles = kernels.encode_tiles(k, v, c)
-        if self._defer or (k.is_cuda and torch.cuda.is_current_stream_capturing()):
-            bad = nonfinite_scales(tiles)
-            self._bad = bad if self._bad is None else self._bad | bad
-        else:
-            check_encoded(tiles, k, v)
-        nbytes = int(round(self.bytes_per_token(d) * b * h * t))
-        return EncodedKV(self.method, tuple(keys.shape), nbytes, tiles=tiles)
 
 
 class FusedKVarNLayer(KVarNLayer):
@@ -194,7 +144,7 @@ class FusedKVarNLayer(KVarNLayer):
             self._flush_device()
         else:
             moved = sum(self.sink_len) + sum(self.store.counts)
-            KVarNLayer.freeze(self)  # host plan: rows at different lengths, or the sink still filling
+            super().freeze()  # host plan (the next freeze in the MRO: this one syncs below): rows at different lengths, or the sink still filling
             if sum(self.sink_len) + sum(self.store.counts) != moved:  # a freeze only ever moves tail tokens
                 self._sync_lengths()
         self._ensure_tail(max(self.tail_len) + q)
@@ -250,31 +200,57 @@ class FusedKVarNLayer(KVarNLayer):
         fields = self.store.fields if self.max_length is not None else self.store.view()
         tiles = TileFields(**fields) if fields else None
         r = self.tail_k.shape[2] if self.max_length is not None else max(self.tail_len)
+        fl = self.store.flavours  # kvarn-auto: each head's frame; None: all rotated, no flags read
         return dict(
             sink_k=self.sink_k, sink_v=self.sink_v, tiles=tiles,
             tail_k=self.tail_k[:, :, :r], tail_v=self.tail_v[:, :, :r],
             config=self.codec.config, sink_lengths=self._dev_len[0], tile_counts=self._dev_len[1],
             tail_lengths=self._dev_len[2], fp_frame="model",
+            key_rotated=None if fl is None else fl.key_rotate, value_rotated=None if fl is None else fl.value_rotate,
         )
 
 
-def fused_cache(model, preset="k4v2_g128", *, max_length: int | None = None, **overrides) -> KVarNCache:
-    """A :class:`KVarNCache` (method ``kvarn``) whose quantized layers decode through the kernels.
+class FusedKVarNAutoLayer(FusedKVarNLayer, KVarNAutoLayer):
+    """kvarn-auto on the fused path: :class:`KVarNAutoLayer`'s decision, :class:`FusedKVarNLayer`'s
+    decode step; the tiles are encoded with the decided flavours and read with their frame flags."""
+
+    def __init__(self, codec: TileCodec, padding=None, is_sliding: bool = False, max_length: int | None = None,
+                 settings=None):
+        super().__init__(codec, padding, is_sliding, max_length)
+        if settings is not None:
+            self.settings = settings
+
+
+FUSED_METHODS = ("kvarn", "kvarn-auto")
+
+
+def fused_cache(model, preset="k4v2_g128", *, max_length: int | None = None, method: str = "kvarn",
+                auto=None, **overrides) -> KVarNCache:
+    """A :class:`KVarNCache` of ``method`` (``kvarn`` or ``kvarn-auto``) whose quantized layers decode
+    through the kernels. ``auto``: kvarn-auto's :class:`kvarn.auto.AutoSettings`.
 
     ``max_length``: tokens per row to reserve tile storage for (see :class:`FusedKVarNLayer`);
     required for :func:`kvarn.integrations.hf_graph.decode_greedy` with CUDA graphs.
     """
-    cache = KVarNCache(model, "kvarn", preset, **overrides)
+    if method not in FUSED_METHODS:
+        raise ValueError(f"method {method!r} has no fused path; fused methods: {list(FUSED_METHODS)}")
+    cache = KVarNCache(model, method, preset, **({"auto": auto} if auto is not None else {}), **overrides)
     codec = TritonTileCodec(cache.method, cache.config)
     for i, layer in enumerate(cache.layers):
         if type(layer) is KVarNLayer:
             cache.layers[i] = FusedKVarNLayer(codec, layer._padding, layer.is_sliding, max_length=max_length)
+        elif type(layer) is KVarNAutoLayer:
+            fused = FusedKVarNAutoLayer(codec, layer._padding, layer.is_sliding, max_length=max_length,
+                                        settings=layer.settings)
+            fused.expects_queries = layer.expects_queries
+            cache.layers[i] = fused
     return cache
 
 
 def cache_for(model, method: str, preset: str | None, *, device: torch.device | None = None,
               **overrides) -> KVarNCache:
-    """The cache to generate with: fused for ``kvarn`` on CUDA, :class:`KVarNCache` otherwise.
+    """The cache to generate with: fused for ``kvarn`` and ``kvarn-auto`` on CUDA, :class:`KVarNCache`
+    otherwise.
 
     ``device``: where the model runs (default: its parameters' device). The fused cache needs the
     model's attention set to ``"kvarn"`` (:func:`use_fused`); other methods are unaffected by that
@@ -283,11 +259,11 @@ def cache_for(model, method: str, preset: str | None, *, device: torch.device | 
     """
     preset = preset or "k4v2_g128"
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    if method == "kvarn" and device.type == "cuda":
+    if method in FUSED_METHODS and device.type == "cuda":
         if model.config._attn_implementation != NAME:
             raise ValueError("the fused kvarn cache needs the model's attention set to 'kvarn': "
                              "call use_fused(model) first")
-        return fused_cache(model, preset, **overrides)
+        return fused_cache(model, preset, method=method, **overrides)
     return KVarNCache(model, method, preset, decoded_cache=True, **overrides)
 
 
@@ -323,4 +299,5 @@ def register(name: str = NAME) -> None:
     AttentionMaskInterface.register(name, sdpa_mask)
 
 
-__all__ = ["register", "use_fused", "fused_cache", "cache_for", "kvarn_attention", "FusedKVarNLayer", "TritonTileCodec"]
+__all__ = ["register", "use_fused", "fused_cache", "cache_for", "kvarn_attention", "FusedKVarNLayer",
+           "FusedKVarNAutoLayer", "TritonTileCodec"]

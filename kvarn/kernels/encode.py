@@ -6,6 +6,11 @@ iterate per tile, identity included, ties to the later iterate), then rows are r
 even (spec section 3), packed low bits first (spec section 4; code matrices stored transposed, as :mod:`kvarn.codec`
 says) and the fp16 fields are stored.
 
+kvarn-auto: ``normalize`` flags per tile switch the normalization off for K or V of that tile: the
+identity stays the chosen iterate, so the column scales are exactly 1 and only the RTN step is
+stored, as :mod:`kvarn.flavour` encodes with T = 0. (The rotation is applied, or not, by the caller,
+before the tiles reach the kernel.)
+
 Differences from the torch twin, by design: the unbiased standard deviations are two-pass sums in a
 different reduction order and ``exp``/``log`` come from the GPU's math library, so a scale can differ
 by one fp16 ulp and a code that sits on a rounding boundary can move by one step (rarely: see the
@@ -53,7 +58,7 @@ def _imbalance(y, R: tl.constexpr, C: tl.constexpr):
 def _encode_one(
     x_ptr, x_tile, x_sr, x_sc,
     codes_ptr, codes_off, rs_ptr, rs_off, rz_ptr, rz_off, cs_ptr, cs_off,
-    R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+    norm, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
 ):
     rows = tl.arange(0, R)
     cols = tl.arange(0, C)
@@ -71,7 +76,7 @@ def _encode_one(
         b = tl.minimum(tl.maximum(b + tl.log(tl.minimum(tl.maximum(_ustd_rows(y, C), 1e-3), 1e3)), -0.3), 10.0)
         y = x / (tl.exp(b)[:, None] * tl.exp(a)[None, :])
         m = _imbalance(y, R, C)
-        take = m <= best  # ties go to the later iterate
+        take = (m <= best) & norm  # ties go to the later iterate; without normalization: the identity
         best = tl.where(take, m, best)
         best_a = tl.where(take, a, best_a)
         best_b = tl.where(take, b, best_b)
@@ -115,10 +120,15 @@ def _encode_tiles_kernel(
     kz_ptr, kz_s0, kz_s1, kz_s2, kr_ptr, kr_s0, kr_s1, kr_s2,
     vc_ptr, vc_s0, vc_s1, vc_s2, vcs_ptr, vcs_s0, vcs_s1, vcs_s2,
     vs_ptr, vs_s0, vs_s1, vs_s2, vz_ptr, vz_s0, vz_s1, vz_s2,
-    N1, N2,
+    N1, N2, norm_ptr,
     D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     tile = tl.program_id(0)
+    if HAS_NORM:  # [tiles, 2] int8: K, V normalized
+        norm = tl.load(norm_ptr + tile * 2 + tl.program_id(1)) != 0
+    else:
+        norm = True
     i2 = tile % N2
     i1 = (tile // N2) % N1
     i0 = tile // (N1 * N2)
@@ -130,7 +140,7 @@ def _encode_tiles_kernel(
             ks_ptr, _field_offset(i0, i1, i2, ks_s0, ks_s1, ks_s2),
             kz_ptr, _field_offset(i0, i1, i2, kz_s0, kz_s1, kz_s2),
             kr_ptr, _field_offset(i0, i1, i2, kr_s0, kr_s1, kr_s2),
-            D, G, KB, ITERS,
+            norm, D, G, KB, ITERS,
         )
     else:
         _encode_one(
@@ -139,7 +149,7 @@ def _encode_tiles_kernel(
             vs_ptr, _field_offset(i0, i1, i2, vs_s0, vs_s1, vs_s2),
             vz_ptr, _field_offset(i0, i1, i2, vz_s0, vz_s1, vz_s2),
             vcs_ptr, _field_offset(i0, i1, i2, vcs_s0, vcs_s1, vcs_s2),
-            G, D, VB, ITERS,
+            norm, G, D, VB, ITERS,
         )
 
 
@@ -149,15 +159,17 @@ def _flat_tiles(x: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
 
 def encode_tiles(
     k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConfig, out: TileFields | None = None,
-    *, num_warps: int | None = None,
+    *, normalize: tuple[torch.Tensor, torch.Tensor] | None = None, num_warps: int | None = None,
 ) -> TileFields:
     """Quantize rotated tiles in one launch. k_tiles: ``[..., D, G]``, v_tiles: ``[..., G, D]``.
 
     Any float dtype and strides (a transposed view of ``[..., G, D]`` keys is fine). ``out``:
     optional TileFields to write into (for example :func:`record_fields_view` of a cache's record
     buffer at the tiles being flushed), leading dims equal to the inputs' (at most 3 of them).
-    Returns the written TileFields. ``num_warps``: a tuning knob (default: 8, 16 for tiles over
-    16K elements), no effect on results.
+    Returns the written TileFields. ``normalize``: kvarn-auto's ``(key_normalize, value_normalize)``,
+    bool tensors of the leading shape (per tile); False keeps that tile unnormalized (module
+    docstring); None normalizes every tile, the spec. ``num_warps``: a tuning knob (default: 8, 16
+    for tiles over 16K elements), no effect on results.
     """
     if not isinstance(config, KVarNConfig):
         raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")
@@ -184,6 +196,13 @@ def encode_tiles(
     if n_tiles == 0:
         return out
     sizes = (1,) * (3 - len(lead)) + lead
+    if normalize is not None:
+        if len(normalize) != 2 or any(not isinstance(x, torch.Tensor) or x.dtype != torch.bool
+                                      or tuple(x.shape) != lead for x in normalize):
+            raise ValueError(f"normalize must be (key_normalize, value_normalize), bool tensors of shape {lead}")
+        norm = torch.stack([x.reshape(-1) for x in normalize], dim=1).to(device=k_tiles.device, dtype=torch.int8)
+    else:
+        norm = torch.zeros(1, dtype=torch.int8, device=k_tiles.device)  # not read
     kt, vt = _flat_tiles(k_tiles, lead), _flat_tiles(v_tiles, lead)
 
     def strides(name, inner):
@@ -196,8 +215,9 @@ def encode_tiles(
         args += [getattr(out, name), *strides(name, inner)]
     _encode_tiles_kernel[(n_tiles, 2)](
         kt, kt.stride(0), kt.stride(1), kt.stride(2), vt, vt.stride(0), vt.stride(1), vt.stride(2),
-        *args, sizes[1], sizes[2],
+        *args, sizes[1], sizes[2], norm,
         D=d, G=g, KB=config.key_bits, VB=config.value_bits, ITERS=config.sinkhorn_iters,
+        HAS_NORM=normalize is not None,
         num_warps=num_warps or (16 if d * g > 16384 else 8),
     )
     return out

@@ -106,3 +106,25 @@ def test_encode_full(name, d):
     flips, total, moved = compare(out, ref, cfg)
     assert flips <= 1e-4 * total, f"{flips} of {total} codes differ"
     assert moved <= 0.25 * kt.shape[:-2].numel() * 2
+
+
+def test_encode_per_tile_normalization_matches_the_flavour_codec(kdevice):
+    """kvarn-auto: normalization off for some tiles' K or V, the torch twin with T = 0 there."""
+    from kvarn.flavour import Flavours, encode_flavoured
+
+    cfg = KVarNConfig(key_bits=2, value_bits=2, tile=64, sinkhorn_iters=4)
+    k, v = synthetic_kv(1, 4, 128, 64, kdevice, seed=5)  # [1, 4, 128, 64]: two tiles per head
+    fl = Flavours(torch.tensor([[True, False, True, False]]), torch.tensor([[True, True, False, False]]),
+                  torch.tensor([[False, True, True, False]]), torch.tensor([[False, True, False, True]]))
+    fl = fl.map(lambda x: x.to(kdevice))
+    from kvarn.integrations.hf_attention import TritonTileCodec
+
+    enc = TritonTileCodec("kvarn-auto", cfg).encode(k, v, fl)
+    ref = encode_flavoured(k, v, fl, cfg)
+    flips, total, moved = compare(enc.tiles, ref, cfg)
+    assert flips <= max(1, total // 10000) and moved == 0
+    off_k = ~fl.key_normalize[0]
+    assert torch.equal(enc.tiles.k_col_scale[0, off_k], torch.ones_like(enc.tiles.k_col_scale[0, off_k]))
+    with pytest.raises(ValueError, match="normalize must be"):
+        kt, vt = rotated_tiles(k, v, cfg)
+        kernels.encode_tiles(kt, vt, cfg, normalize=(fl.key_normalize, fl.value_normalize))  # not per tile

@@ -52,3 +52,53 @@ def test_cache_for_fuses_kvarn_on_cuda_only():
         model.set_attn_implementation("sdpa")
     assert all(isinstance(x, hf_attention.FusedKVarNLayer) for x in fused.layers)
     assert other.method.name == "kivi" and not any(isinstance(x, hf_attention.FusedKVarNLayer) for x in other.layers)
+
+
+def test_fused_kvarn_auto_matches_the_cache_read_path_with_mixed_flags(kdevice):
+    """kvarn-auto on the fused path: the same decision, tiles and tokens as KVarNCache's read path."""
+    from kvarn.auto import AutoSettings
+    from kvarn.flavour import Flavours
+
+    dtype = torch.float16 if HAS_CUDA else torch.float32
+    model = _tiny_llama(kdevice, dtype)
+    ids = torch.randint(0, 97, (1, 200), device=kdevice)
+    kw = dict(max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    mixed = Flavours(torch.tensor([[True, False]]), torch.tensor([[False, True]]),
+                     torch.tensor([[False, True]]), torch.tensor([[True, False]]))
+
+    def force_mixed(cache):  # every flag combination on some head, whatever the prompt decides
+        for layer in cache.layers:
+            orig = layer._set
+
+            def _set(decision, layer=layer, orig=orig):
+                row = decision.rows[0]
+                row.key_rotate, row.key_normalize, row.value_rotate, row.value_normalize = (
+                    getattr(mixed, n)[0].to(kdevice) for n in ("key_rotate", "key_normalize", "value_rotate",
+                                                                "value_normalize"))
+                orig(decision)
+            layer._set = _set
+
+    model.set_attn_implementation("sdpa")
+    ref_cache = KVarNCache(model, "kvarn-auto", "k4v2_g64", sinkhorn_iters=2, auto=AutoSettings(rule="a3"))
+    force_mixed(ref_cache)
+    ref = model.generate(ids, past_key_values=ref_cache, **kw)
+    hf_attention.register()
+    model.set_attn_implementation("kvarn")
+    try:
+        cache = hf_attention.fused_cache(model, "k4v2_g64", method="kvarn-auto", auto=AutoSettings(rule="a3"),
+                                         sinkhorn_iters=2)
+        force_mixed(cache)
+        out = model.generate(ids, past_key_values=cache, **kw)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert all(isinstance(x, hf_attention.FusedKVarNAutoLayer) for x in cache.layers)
+    layer = cache.layers[0]
+    assert layer.store.counts == [2] and torch.equal(layer.store.flavours.key_rotate.cpu(), mixed.key_rotate)
+    inputs = layer.fused_inputs()
+    assert torch.equal(inputs["key_rotated"].cpu(), mixed.key_rotate)
+    assert torch.equal(inputs["value_rotated"].cpu(), mixed.value_rotate)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+    assert torch.equal(out.sequences, ref.sequences)
+    with pytest.raises(ValueError, match="no fused path"):
+        hf_attention.fused_cache(model, "k4v2_g64", method="kivi")

@@ -3,10 +3,14 @@
     python docs/results/drift/auto/make_report.py docs/results/drift/auto [MORE_DIRS...]
 
 Reads ``<dir>/<model>_<text>/drift.json`` (written by run_study.sh; further folders, such as the
-probe of other decision rules, add their methods to the same pairs) and writes ``<dir>/goal.md``,
+probe of other decision rules or run_rule3.sh's, add their methods to the same pairs) and writes ``<dir>/goal.md``,
 ``<dir>/goal.json`` and ``<dir>/auto_k2v2.png`` into the first folder. The figures are the accumulated regime after the
 exact 512-token prefill: mean next-token KL(fp || method) over positions 512-2047, and the
 perplexity of the same positions.
+
+Every kvarn-auto entry is shown under its rule, ``kvarn-auto-<rule>``: the rule recorded in the entry
+(``auto_rule``), else the key's suffix, else a2 (files written before the rule was recorded, when a2
+was the default and its key had no suffix).
 """
 
 from __future__ import annotations
@@ -17,11 +21,24 @@ import sys
 from pathlib import Path
 
 BASELINES = ("kivi", "varn", "kvarn")
-AUTO: tuple[str, ...] = ("kvarn-auto",)  # extended by main() with every kvarn-auto rule found
+AUTO: tuple[str, ...] = ("kvarn-auto-a2",)  # extended by main() with every kvarn-auto rule found
+GOAL_RULES = ("kvarn-auto-a2", "kvarn-auto-a3", "kvarn-auto-r3")  # the verdict columns of the doc's table
 SHOWN: tuple[str, ...] = BASELINES + AUTO
-COLORS = {"kivi": "tab:red", "varn": "tab:olive", "kvarn": "tab:blue", "kvarn-auto": "tab:green",
+COLORS = {"kivi": "tab:red", "varn": "tab:olive", "kvarn": "tab:blue", "kvarn-auto-a2": "tab:green",
+          "kvarn-auto-r3": "black",
           "kvarn-auto-a3": "tab:cyan", "kvarn-auto-n2": "tab:pink", "kvarn-auto-n2@0.1": "tab:purple",
           "kvarn-auto-a2@0.1": "tab:gray"}
+
+
+def _labelled(methods: dict[str, dict]) -> dict[str, dict]:
+    """kvarn-auto keys renamed ``kvarn-auto-<rule>:<preset>`` (module docstring)."""
+    out = {}
+    for key, m in methods.items():
+        name, _, preset = key.partition(":")
+        if name == "kvarn-auto" or (name.startswith("kvarn-auto-") and "auto_rule" in m):
+            name = f"kvarn-auto-{m.get('auto_rule') or 'a2'}"
+        out[f"{name}:{preset}"] = m
+    return out
 
 
 def _load(roots: list[Path]) -> dict[str, dict]:
@@ -29,6 +46,7 @@ def _load(roots: list[Path]) -> dict[str, dict]:
     for root in roots:
         for p in sorted(root.glob("*/drift.json")):
             doc = json.loads(p.read_text())
+            doc["methods"] = _labelled(doc["methods"])
             if p.parent.name in docs:
                 docs[p.parent.name]["methods"].update(doc["methods"])
             else:
@@ -113,7 +131,8 @@ def compact_markdown(rows: list[dict]) -> str:
     """The doc's goal table: one row per pair and preset, the goal verdict cell by cell."""
     cols = [m for m in SHOWN if m != "kvarn-auto-a2@0.1"]
     lines = ["| model / text | preset | fp ppl | " + " | ".join(f"{m}<br>KL / ppl" for m in cols)
-             + " | goal (kvarn-auto) | goal (a3) |", "|---|---|---:|" + "---:|" * len(cols) + "---|---|"]
+             + "".join(f" | goal ({r.removeprefix('kvarn-auto-')})" for r in GOAL_RULES) + " |",
+             "|---|---|---:|" + "---:|" * len(cols) + "---|" * len(GOAL_RULES)]
     for preset, key in (("k2v2_g128", "k2v2"), ("k4v2_g128", "k4v2")):
         for r in rows:
             cells = []
@@ -121,7 +140,7 @@ def compact_markdown(rows: list[dict]) -> str:
                 v = r.get(f"{m}:{preset}")
                 cells.append("-" if not v else f"{_fig(v[0])} / {_fig(v[1], '.2f')}")
             verdict = []
-            for rule in ("kvarn-auto", "kvarn-auto-a3"):
+            for rule in GOAL_RULES:
                 ok, ratio = r.get(f"{rule}:goal_{key}"), r.get(f"{rule}:kl_ratio_{key}")
                 if ok is None:
                     verdict.append("-")
@@ -132,6 +151,29 @@ def compact_markdown(rows: list[dict]) -> str:
                 verdict.append(f"{'**yes**' if ok else 'no'}: KL x{ratio:.3f}, ppl {a[1] - ppl_ref:+.2f}")
             lines.append(f"| {r['pair']} | {key} | {_fig(r['fp16_ppl'], '.2f')} | " + " | ".join(cells) + " | "
                          + " | ".join(verdict) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def self_test_markdown(docs: dict[str, dict]) -> str:
+    """Rule r3 per pair and preset: the policy the self-test kept, its KL per candidate on the prompt,
+    and the end-to-end KL of each candidate (KVarN, a2, a3) measured on its own."""
+    lines = ["| model / text | preset | r3 kept | self-test KL kvarn / a2 / a3 | end-to-end KL kvarn / a2 / a3 "
+             "| end-to-end best |", "|---|---|---|---:|---:|---|"]
+    for name, doc in docs.items():
+        for preset in ("k2v2_g128", "k4v2_g128"):
+            e = doc["methods"].get(f"kvarn-auto-r3:{preset}")
+            if not e:
+                continue
+            d = next(iter(e["auto_decisions"].values()))
+            if d.get("self_test_kl") is None:
+                continue
+            keys = {"kvarn": "kvarn", "a2": "kvarn-auto-a2", "a3": "kvarn-auto-a3"}
+            e2e = {p: doc["methods"].get(f"{k}:{preset}", {}).get("kl_after_prefill") for p, k in keys.items()}
+            known = {p: x for p, x in e2e.items() if x is not None}
+            best = min(known, key=known.get) if known else "-"
+            lines.append(f"| {name} | {preset.split('_')[0]} | {d['policy']} | "
+                         + " / ".join(f"{d['self_test_kl'][p]:.4f}" for p in keys) + " | "
+                         + " / ".join(_fig(e2e[p]) for p in keys) + f" | {best} |")
     return "\n".join(lines) + "\n"
 
 
@@ -187,11 +229,12 @@ def main(roots: list[str]) -> None:
     root_path = Path(roots[0])
     docs = _load([Path(r) for r in roots])
     found = sorted({k.partition(":")[0] for d in docs.values() for k in d["methods"] if k.startswith("kvarn-auto")},
-                   key=lambda m: (m != "kvarn-auto", m))
+                   key=lambda m: (m not in GOAL_RULES, GOAL_RULES.index(m) if m in GOAL_RULES else 0, m))
     AUTO = tuple(found)
     SHOWN = BASELINES + AUTO
     rows, stats = goal_rows(docs), flavour_stats(docs)
-    (root_path / "goal.md").write_text(compact_markdown(rows) + "\n" + markdown(rows, stats), encoding="utf-8")
+    (root_path / "goal.md").write_text(compact_markdown(rows) + "\n" + self_test_markdown(docs) + "\n"
+                                       + markdown(rows, stats), encoding="utf-8")
     (root_path / "goal.json").write_text(json.dumps({"goal": rows, "flavours": stats}, indent=1) + "\n")
     figure(docs, rows, root_path / "auto_k2v2.png")
     print(compact_markdown(rows))

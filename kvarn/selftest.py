@@ -1,0 +1,155 @@
+"""kvarn-auto rule r3: choose a row's policy by a short self-test of the model on its own prompt.
+
+The per-head rules of :mod:`kvarn.auto` score each head's local error; what decides quality is how
+the errors accumulate through the layers and the following tokens, which no local score sees (keys
+without normalization look as good as VarN locally, win end to end on Gemma-3 and lose on SmolLM2).
+So rule r3 measures it, on the prompt, for each candidate policy (:data:`kvarn.auto.POLICIES`:
+KVarN, a2, a3, each a set of flavours per (layer, KV head)):
+
+1. History: the prompt's first ``S + G`` tokens, exact (the prefill's own K/V), with the tile past
+   the sink ``[S, S + G)`` quantized with the candidate's flavours.
+2. Run the next ``chunks * G`` prompt tokens through the model in chunks of ``G``, quantizing each
+   finished tile before the next chunk reads it (the decode cache's semantics, as in
+   :mod:`kvarn.analysis.drift`).
+3. Score: KL(exact || candidate) of the next-token distributions over those tokens, against the
+   exact prefill's logits at the same positions.
+
+The lowest KL wins (ties: the earlier policy in :data:`kvarn.auto.POLICIES`); the choice is fixed for
+the rest of the sequence. Candidates run as the rows of one batch, and candidates with the same
+flavours on every layer are run once. Needs ``S + G + chunks * G`` prompt tokens
+(:func:`self_test_tokens`); shorter prompts keep a2's flavours.
+
+Cost: ``chunks * G`` tokens per distinct candidate through the model (two to three candidates:
+about 1.5x a 512-token prefill's forward, 0.4x a 2048-token one), their full next-token
+distributions (on a large vocabulary the head costs as much again), and one freeze of each chunk's
+tile per candidate (on CPU the torch normalization dominates); nothing at decode. Measured:
+docs/results/drift.md, "Cost".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .auto import POLICIES
+from .config import KVarNConfig
+from .flavour import Flavours
+from .methods import TileCodec
+
+CHUNKS = 2  # self-test chunks of one tile each
+
+
+def self_test_tokens(config: KVarNConfig, chunks: int = CHUNKS) -> int:
+    """Prompt tokens the self-test needs: sink, one quantized tile, ``chunks`` tiles to score."""
+    return config.sink_tokens + config.tile * (1 + chunks)
+
+
+def self_test_positions(config: KVarNConfig, chunks: int = CHUNKS) -> range:
+    """Prompt positions whose next-token logits the self-test compares."""
+    start = config.sink_tokens + config.tile
+    return range(start, start + chunks * config.tile)
+
+
+def _same(a: dict[int, Flavours], b: dict[int, Flavours]) -> bool:
+    return all(torch.equal(getattr(a[i], n), getattr(b[i], n)) for i in a
+               for n in ("key_rotate", "key_normalize", "value_rotate", "value_normalize"))
+
+
+def _kl(exact: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """Mean KL(exact || got) over positions, per row. exact: ``[T, V]``, got: ``[C, T, V]``."""
+    p = torch.log_softmax(exact.to(torch.float32), dim=-1)
+    q = torch.log_softmax(got.to(torch.float32), dim=-1)
+    return (p.exp() * (p - q)).sum(-1).mean(-1)
+
+
+@torch.no_grad()
+def self_test(
+    model, prompt: torch.Tensor, prompt_kv: list[tuple[torch.Tensor, torch.Tensor]],
+    candidates: dict[str, dict[int, Flavours]], codec: TileCodec, exact_logits: torch.Tensor | None = None,
+    *, embeds: bool = False, chunks: int = CHUNKS,
+) -> dict[str, float]:
+    """KL of each candidate policy on one row's prompt (module docstring).
+
+    prompt: ``[1, T]`` token ids (``[1, T, E]`` embeddings with ``embeds=True``), the row's real tokens.
+    prompt_kv: per layer of the model, the prefill's exact ``(keys, values)`` ``[1, Hk, >= S + G, D]``
+        (K after RoPE, the model frame).
+    candidates: policy -> {layer: Flavours ``[1, Hk]``}; the layers listed are quantized, the others
+        stay exact (sliding-window layers). Every candidate lists the same layers.
+    exact_logits: ``[>= T', V]`` the exact prefill's logits at positions ``0..T'-1`` with
+        ``T' >= S + G + chunks * G - 1``; None runs the exact model on the test chunks instead.
+    Returns policy -> KL, in the order of ``candidates``.
+    """
+    from .analysis.capture import TileFreezer, freeze_cache, new_cache
+
+    config = codec.config
+    need = self_test_tokens(config, chunks)
+    if prompt.shape[1] < need:
+        raise ValueError(f"the self-test needs {need} prompt tokens (sink + {1 + chunks} tiles), got {prompt.shape[1]}")
+    if not candidates:
+        raise ValueError("candidates is empty: give at least one policy")
+    start, g = config.sink_tokens + config.tile, config.tile
+
+    # Distinct flavour sets, one batch row each.
+    rows: list[dict[int, Flavours]] = []
+    row_of: dict[str, int] = {}
+    for name, fl in candidates.items():
+        row_of[name] = next((r for r, other in enumerate(rows) if _same(fl, other)), len(rows))
+        if row_of[name] == len(rows):
+            rows.append(fl)
+    c = len(rows)
+    layers = sorted(rows[0])
+    flavours = {i: Flavours(*(torch.cat([getattr(fl[i], n) for fl in rows]) for n in
+                              ("key_rotate", "key_normalize", "value_rotate", "value_normalize")))
+                for i in layers}
+
+    def run(batch: int, freezer: TileFreezer | None) -> torch.Tensor:
+        cache = new_cache(len(prompt_kv))
+        for i, (k, v) in enumerate(prompt_kv):
+            cache.update(k[:, :, :start].expand(batch, -1, -1, -1).clone(),
+                         v[:, :, :start].expand(batch, -1, -1, -1).clone(), i)
+        if freezer is not None:
+            freeze_cache(cache, freezer)
+        out = []
+        for a in range(start, start + chunks * g, g):
+            x = prompt[:, a:a + g].expand(batch, *prompt[:, a:a + g].shape[1:])
+            kw = {"inputs_embeds": x} if embeds else {"input_ids": x}
+            out.append(model(**kw, past_key_values=cache, use_cache=True).logits)
+            if freezer is not None:
+                freeze_cache(cache, freezer)
+        return torch.cat(out, dim=1)  # [batch, chunks * G, V]
+
+    got = run(c, TileFreezer(codec, frozenset(layers), flavours=flavours))
+    positions = self_test_positions(config, chunks)
+    exact = exact_logits[positions.start:positions.stop] if exact_logits is not None else run(1, None)[0]
+    if exact.shape[0] != len(positions):
+        raise ValueError(f"exact_logits cover {exact_logits.shape[0]} positions; the self-test needs "
+                         f"{positions.stop}")
+    kl = _kl(exact, got).tolist()
+    return {name: kl[row_of[name]] for name in candidates}
+
+
+def choose(kl: dict[str, float]) -> str:
+    """The policy with the lowest KL; ties go to the earlier one in :data:`kvarn.auto.POLICIES`."""
+    order = sorted(kl, key=lambda n: (kl[n], POLICIES.index(n) if n in POLICIES else len(POLICIES)))
+    return order[0]
+
+
+def settle(
+    model, prompt: torch.Tensor, prompt_kv: list[tuple[torch.Tensor, torch.Tensor]], decisions: dict, codec: TileCodec,
+    exact_logits: torch.Tensor | None = None, *, row: int = 0, embeds: bool = False,
+) -> dict[str, float] | None:
+    """Rule r3 for one row: self-test the candidates of ``decisions`` (layer -> :class:`kvarn.auto.LayerDecision`)
+    and adopt the winner in that row of every layer. Arguments as :func:`self_test`, for this row alone.
+
+    Returns the KL per policy, or None where the row cannot be self-tested (too short to decide at
+    all: KVarN stays; shorter than :func:`self_test_tokens`: rule a2's flavours stay).
+    """
+    if not decisions or any(d.rows[row].candidates is None for d in decisions.values()):
+        return None
+    if prompt.shape[1] < self_test_tokens(codec.config):
+        return None
+    candidates = {name: {i: d.candidate(row, name) for i, d in decisions.items()} for name in POLICIES}
+    kl = self_test(model, prompt, prompt_kv, candidates, codec, exact_logits, embeds=embeds)
+    best = choose(kl)
+    for d in decisions.values():
+        d.rows[row].adopt(best, kl)
+    return kl
