@@ -55,11 +55,13 @@ def unpack_planes(codes: torch.Tensor, bits: int, center: float = 0.0) -> torch.
     """
     per_byte = 8 // bits
     if per_byte == 1:
-        planes = codes
+        out = codes.to(torch.float32)
     else:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device).view(per_byte, 1, 1)
         planes = ((codes.unsqueeze(-3) >> shifts) & ((1 << bits) - 1)).flatten(-3, -2)  # [..., P * R, C]
-    out = planes.to(torch.float32)
+        # Codes below 2^7 read the same as int8, whose conversion to float is vectorized on CPU
+        # (uint8's is several times slower there).
+        out = planes.view(torch.int8).to(torch.float32)
     return out.sub_(center) if center else out
 
 
@@ -118,7 +120,9 @@ def folded_decode_attention(
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     q = rotate(query, torch.float32).view(b, hk, gq, d)
 
-    fk, fv = fp_k.to(torch.float32), fp_v.to(torch.float32)
+    # Contiguous float32 copies: the products then read plain rows (the inputs are often permuted views).
+    fk = fp_k.to(torch.float32, memory_format=torch.contiguous_format)
+    fv = fp_v.to(torch.float32, memory_format=torch.contiguous_format)
     s_fp = (q @ fk.transpose(-1, -2)) * scale  # [B, Hk, Gq, L]
     s_fp = s_fp.masked_fill(~fp_valid[:, None, None, :], float("-inf"))
     m = s_fp.amax(-1) if s_fp.shape[-1] else s_fp.new_full((b, hk, gq), float("-inf"))

@@ -36,24 +36,43 @@ def ustd(y: torch.Tensor, dim: int) -> torch.Tensor:
     return _ustd_(y.to(torch.float64), dim)
 
 
-def _both_std(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(per column over rows ``[..., C]``, per row over columns ``[..., R]``) of ``y: [..., R, C]``."""
-    y64 = y.to(torch.float64)
-    rs = _ustd_(y64.clone(), -1)
-    return _ustd_(y64, -2), rs
-
-
 def _score(cs: torch.Tensor, rs: torch.Tensor) -> torch.Tensor:
     return cs.amax(-1) / cs.amin(-1).clamp_min(IMBALANCE_EPS) + rs.amax(-1) / rs.amin(-1).clamp_min(IMBALANCE_EPS)
 
 
 def imbalance(y: torch.Tensor) -> torch.Tensor:
     """y: ``[..., R, C]`` -> ``[...]``; 2.0 for a perfectly balanced tile."""
-    return _score(*_both_std(y))
+    return _score(ustd(y, -2), ustd(y, -1))
 
 
-def _apply(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return x / (torch.exp(b)[..., :, None] * torch.exp(a)[..., None, :])
+def _apply(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None,
+           outer: torch.Tensor | None = None) -> torch.Tensor:
+    """``x / (exp(b)[:, None] * exp(a)[None, :])``, optionally into preallocated ``out`` / ``outer``."""
+    outer = torch.mul(torch.exp(b)[..., :, None], torch.exp(a)[..., None, :], out=outer)
+    return torch.div(x, outer, out=out)
+
+
+class _Workspace:
+    """Buffers of one batch of tiles, reused by every iteration: fresh large tensors cost page faults
+    on CPU, which took most of the time of these memory-bound passes."""
+
+    def __init__(self, x: torch.Tensor):
+        self.y, self.outer = torch.empty_like(x), torch.empty_like(x)
+        self.y64 = torch.empty(x.shape, dtype=torch.float64, device=x.device)
+        self.dev64 = torch.empty_like(self.y64)
+
+    def apply(self, x, a, b) -> torch.Tensor:
+        return _apply(x, a, b, self.y, self.outer)
+
+    def row_std(self, y: torch.Tensor) -> torch.Tensor:
+        return _ustd_(self.y64.copy_(y), -1)
+
+    def both_std(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per column over rows ``[..., C]``, per row over columns ``[..., R]``) of ``y: [..., R, C]``."""
+        y64 = self.y64.copy_(y)
+        dev = torch.sub(y64, y64.mean(-1, keepdim=True), out=self.dev64)
+        rs = dev.mul_(dev).sum(-1).div_(y.shape[-1] - 1).sqrt_().to(torch.float32)
+        return _ustd_(y64, -2), rs
 
 
 def variance_normalize(
@@ -69,13 +88,14 @@ def variance_normalize(
     batch = x.shape[:-2]
     a = x.new_zeros(*batch, x.shape[-1])
     b = x.new_zeros(*batch, x.shape[-2])
-    cs, rs = _both_std(x)  # of the current tile
+    ws = _Workspace(x)
+    cs, rs = ws.both_std(x)  # of the current tile
     best = _score(cs, rs)
     best_a, best_b = a.clone(), b.clone()
     for _ in range(iters):
         a = (a + torch.log(cs.clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
-        b = (b + torch.log(ustd(_apply(x, a, b), -1).clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
-        cs, rs = _both_std(_apply(x, a, b))
+        b = (b + torch.log(ws.row_std(ws.apply(x, a, b)).clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
+        cs, rs = ws.both_std(ws.apply(x, a, b))
         m = _score(cs, rs)
         take = m <= best  # ties go to the later iterate
         best = torch.where(take, m, best)
