@@ -43,25 +43,42 @@ from .codec import TileFields
 from .config import KVarNConfig
 from .hadamard import rotate
 
-__all__ = ["folded_decode_attention", "unpack_planes", "plane_order"]
+__all__ = ["folded_decode_attention", "unpack_planes", "plane_order", "natural_order", "scratch_buffer"]
 
 
-def unpack_planes(codes: torch.Tensor, bits: int, center: float = 0.0) -> torch.Tensor:
+def scratch_buffer(workspace: dict | None, name: str, shape, dtype, device) -> torch.Tensor:
+    """A scratch tensor, reused from ``workspace`` when it has one of this shape and dtype."""
+    shape = tuple(shape)
+    if workspace is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buf = workspace.get(name)
+    if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != device:
+        buf = workspace[name] = torch.empty(shape, dtype=dtype, device=device)
+    return buf
+
+
+def unpack_planes(codes: torch.Tensor, bits: int, center: float = 0.0, workspace: dict | None = None,
+                  name: str = "codes") -> torch.Tensor:
     """Packed codes ``uint8 [..., R, C]`` -> float32 ``[..., P * R, C]`` (minus ``center``), bit plane
     by bit plane.
 
     Row ``i * R + r`` of the result is bit plane ``i`` (bits ``i*b .. i*b + b - 1``) of byte row ``r``:
     the code that sits at index ``P r + i`` along the packed axis (docs/algorithm.md section 4).
+    ``workspace``: a dict of scratch buffers kept by the caller between calls of one shape (the
+    result is one of them, valid until the next call with that workspace and ``name``).
     """
     per_byte = 8 // bits
+    *lead, r, c = codes.shape
+    out = scratch_buffer(workspace, name, (*lead, per_byte * r, c), torch.float32, codes.device)
     if per_byte == 1:
-        out = codes.to(torch.float32)
+        out.copy_(codes)
     else:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device).view(per_byte, 1, 1)
-        planes = ((codes.unsqueeze(-3) >> shifts) & ((1 << bits) - 1)).flatten(-3, -2)  # [..., P * R, C]
+        planes = scratch_buffer(workspace, name + "_planes", (*lead, per_byte, r, c), torch.uint8, codes.device)
+        torch.bitwise_right_shift(codes.unsqueeze(-3), shifts, out=planes).bitwise_and_((1 << bits) - 1)
         # Codes below 2^7 read the same as int8, whose conversion to float is vectorized on CPU
         # (uint8's is several times slower there).
-        out = planes.view(torch.int8).to(torch.float32)
+        out.copy_(planes.flatten(-3, -2).view(torch.int8))
     return out.sub_(center) if center else out
 
 
@@ -97,6 +114,7 @@ def folded_decode_attention(
     tile_row: torch.Tensor | None,
     config: KVarNConfig,
     scaling: float | None = None,
+    workspace: dict | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over [fp keys | ragged packed tiles].
 
@@ -107,6 +125,9 @@ def folded_decode_attention(
     tile_row: int64 ``[T]``: the sequence of each tile (any order), or None with ``tiles``.
     config:   the codec settings the tiles were written with (bits, G).
     scaling:  softmax scale, default ``1 / sqrt(D)``.
+    workspace: optional dict the caller keeps between calls of the same shapes (every layer of a
+        step): the large intermediates are written into its buffers instead of fresh tensors, whose
+        page faults cost on CPU about as much as the passes themselves.
 
     Returns float32 ``[B, Hq, D]``, un-rotated. A sequence with no visible key gets 0.
     """
@@ -121,8 +142,8 @@ def folded_decode_attention(
     q = rotate(query, torch.float32).view(b, hk, gq, d)
 
     # Contiguous float32 copies: the products then read plain rows (the inputs are often permuted views).
-    fk = fp_k.to(torch.float32, memory_format=torch.contiguous_format)
-    fv = fp_v.to(torch.float32, memory_format=torch.contiguous_format)
+    fk = scratch_buffer(workspace, "fp_k", fp_k.shape, torch.float32, fp_k.device).copy_(fp_k)
+    fv = scratch_buffer(workspace, "fp_v", fp_v.shape, torch.float32, fp_v.device).copy_(fp_v)
     s_fp = (q @ fk.transpose(-1, -2)) * scale  # [B, Hk, Gq, L]
     s_fp = s_fp.masked_fill(~fp_valid[:, None, None, :], float("-inf"))
     m = s_fp.amax(-1) if s_fp.shape[-1] else s_fp.new_full((b, hk, gq), float("-inf"))
@@ -133,7 +154,8 @@ def folded_decode_attention(
         qt = q.index_select(0, tile_row)  # [T, Hk, Gq, D]
         k_scale = tiles.k_row_scale.to(torch.float32)
         k_zero = tiles.k_row_zero.to(torch.float32) + kc * k_scale
-        raw = unpack_planes(tiles.k_codes, kb, kc) @ (qt * k_scale[:, :, None, :]).transpose(-1, -2)
+        k_codes = unpack_planes(tiles.k_codes, kb, kc, workspace, "k")  # [T, Hk, G (plane order), D]
+        raw = k_codes @ (qt * k_scale[:, :, None, :]).transpose(-1, -2)
         qz = (qt * k_zero[:, :, None, :]).sum(-1)  # raw: [T, Hk, G (plane order), Gq]; qz: [T, Hk, Gq]
         rk = plane_order(tiles.k_col_scale.to(torch.float32), kb) * scale  # [T, Hk, G]
         s_t = (raw + qz[:, :, None, :]) * rk[..., None]
@@ -151,7 +173,8 @@ def folded_decode_attention(
         v_scale = tiles.v_row_scale.to(torch.float32)
         v_zero = tiles.v_row_zero.to(torch.float32) + vc * v_scale
         pz = (p * v_zero[..., None]).sum(2)  # [T, Hk, Gq]
-        o_t = unpack_planes(tiles.v_codes, vb, vc) @ (p * v_scale[..., None])  # [T, Hk, D (plane order), Gq]
+        v_codes = unpack_planes(tiles.v_codes, vb, vc, workspace, "v")  # [T, Hk, D (plane order), G]
+        o_t = v_codes @ (p * v_scale[..., None])
         cv = plane_order(tiles.v_col_scale.to(torch.float32), vb)  # [T, Hk, D]
         o_t = (o_t + pz[:, :, None, :]) * cv[..., None]
         acc_t = o_t.new_zeros(b, hk, d, gq).index_add_(0, tile_row, o_t)

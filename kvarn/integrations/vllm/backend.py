@@ -38,7 +38,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ...codec import decode_tiles, record_field_views
 from ...config import PRESETS, KVarNConfig, supported_head_dims
-from ...folded import folded_decode_attention
+from ...folded import folded_decode_attention, scratch_buffer
 from ...hadamard import rotate
 from .hooks import install_hooks
 from .plan import StepPlan, build_plan
@@ -291,16 +291,21 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
         """
         cfg, g, d, hk = self.config, self.config.tile, self.head_size, self.num_kv_heads
         if not use_triton:
-            b = plan.dec_tok.numel()
+            b, ws = plan.dec_tok.numel(), plan.scratch  # the gathers reuse the step's buffers too
             fp_slots = plan.dec_fp_slots.reshape(-1)
-            fk = sk.index_select(0, fp_slots).view(b, -1, hk, d).transpose(1, 2)  # [B, Hk, L, D]
-            fv = sv.index_select(0, fp_slots).view(b, -1, hk, d).transpose(1, 2)
+            shape = (fp_slots.numel(), *sk.shape[1:])
+            fk = torch.index_select(sk, 0, fp_slots, out=scratch_buffer(ws, "fp_k_staged", shape, sk.dtype, sk.device))
+            fv = torch.index_select(sv, 0, fp_slots, out=scratch_buffer(ws, "fp_v_staged", shape, sv.dtype, sv.device))
+            fk, fv = (x.view(b, -1, hk, d).transpose(1, 2) for x in (fk, fv))  # [B, Hk, L, D]
             tiles = rows = None
             if plan.dec_tile_list.numel():
-                tiles = record_field_views(pages.index_select(0, plan.dec_tile_list), cfg, d)  # [T, Hk, ...]
+                shape = (plan.dec_tile_list.numel(), *pages.shape[1:])
+                rec = torch.index_select(pages, 0, plan.dec_tile_list,
+                                         out=scratch_buffer(ws, "records", shape, pages.dtype, pages.device))
+                tiles = record_field_views(rec, cfg, d)  # [T, Hk, ...]
                 rows = plan.dec_tile_row
             o = folded_decode_attention(q.index_select(0, plan.dec_tok), fk, fv, plan.dec_fp_valid, tiles,
-                                        rows, cfg, self.scale)
+                                        rows, cfg, self.scale, workspace=plan.scratch)
             out.index_copy_(0, plan.dec_tok, o.to(out.dtype))
             return
         from ...kernels import decode_attention as fn

@@ -64,6 +64,7 @@ class StepPlan:
     extend: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
     layers_left: int = 0  # layers that still have to encode commit_blocks this step
     index: StagingIndex | None = None  # host-side; the slot table these indices came from
+    scratch: dict = field(default_factory=dict)  # buffers the layers of this step share (same shapes)
     host_commit_blocks: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "StepPlan":
