@@ -141,10 +141,16 @@ def folded_decode_attention(
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     q = rotate(query, torch.float32).view(b, hk, gq, d)
 
-    # Contiguous float32 copies: the products then read plain rows (the inputs are often permuted views).
-    fk = scratch_buffer(workspace, "fp_k", fp_k.shape, torch.float32, fp_k.device).copy_(fp_k)
-    fv = scratch_buffer(workspace, "fp_v", fp_v.shape, torch.float32, fp_v.device).copy_(fp_v)
-    s_fp = (q @ fk.transpose(-1, -2)) * scale  # [B, Hk, Gq, L]
+    # The fp part as one product per sequence over all heads, on float32 copies in token-major
+    # layout [B, L, Hk * D] (a paged cache's own order: no transposing copy), against a
+    # block-diagonal query [Hk * D, Hk * Gq]: the zero blocks add exact zeros.
+    fp_len = fp_k.shape[2]
+    fk = scratch_buffer(workspace, "fp_k", (b, fp_len, hk, d), torch.float32, q.device).copy_(fp_k.transpose(1, 2))
+    fv = scratch_buffer(workspace, "fp_v", (b, fp_len, hk, d), torch.float32, q.device).copy_(fp_v.transpose(1, 2))
+    q_blocks = q.new_zeros(b, hk, d, hk, gq)
+    torch.diagonal(q_blocks, dim1=1, dim2=3).copy_(q.permute(0, 3, 2, 1))  # [B, D, Gq, Hk] view
+    s_fp = fk.view(b, fp_len, hk * d) @ q_blocks.view(b, hk * d, hk * gq)  # [B, L, Hk * Gq]
+    s_fp = s_fp.view(b, fp_len, hk, gq).permute(0, 2, 3, 1) * scale  # [B, Hk, Gq, L]
     s_fp = s_fp.masked_fill(~fp_valid[:, None, None, :], float("-inf"))
     m = s_fp.amax(-1) if s_fp.shape[-1] else s_fp.new_full((b, hk, gq), float("-inf"))
     has_tiles = tiles is not None and tile_row.numel() > 0
@@ -165,7 +171,8 @@ def folded_decode_attention(
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e_fp = torch.exp(s_fp - m[..., None])
     l_sum = e_fp.sum(-1)  # [B, Hk, Gq]
-    acc = e_fp @ fv  # [B, Hk, Gq, D]
+    acc = e_fp.reshape(b, hk * gq, fp_len) @ fv.view(b, fp_len, hk * d)  # [B, Hk * Gq, Hk * D]
+    acc = torch.diagonal(acc.view(b, hk, gq, hk, d), dim1=1, dim2=3).permute(0, 3, 1, 2)  # [B, Hk, Gq, D]
     if has_tiles:
         e_t = torch.exp(s_t - m.index_select(0, tile_row)[:, :, None, :])  # [T, Hk, G, Gq]
         l_sum = l_sum.index_add(0, tile_row, e_t.sum(2))

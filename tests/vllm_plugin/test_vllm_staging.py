@@ -118,10 +118,9 @@ def test_plan_batches_prefill_decode_and_commits():
     assert p.dec_fp_valid[0].nonzero().flatten().tolist() == list(range(41))
     assert p.dec_fp_valid[1].nonzero().flatten().tolist() == list(range(128 + 45))  # [sink | tail]
     used = index.used
-    p.layer_committed()
-    assert index.used == used  # the second layer still has to encode block 2
-    p.layer_committed()
-    assert index.used == used - 1 and bool(index.committed[2])
+    assert p.commit_pending and p.num_layers == 2
+    p.committed()  # the step's first layer encoded block 2 for both layers
+    assert index.used == used - 1 and bool(index.committed[2]) and not p.commit_pending
     # a finishes: vLLM reports it, its slots return to the pool and its blocks are no longer committed
     index.release(torch.tensor(a[:3]))
     assert index.used == 1 and not bool(index.committed[2])

@@ -7,7 +7,8 @@ its block pool, hence its reported KV capacity in tokens, from the record size.
 
 Per step, the metadata builder turns vLLM's block table, ``seq_lens`` and slot mapping into one
 :class:`~.plan.StepPlan` of index tensors for every layer (:mod:`.plan`): each layer then stages its
-new tokens with one ``index_copy_``, encodes the tiles to commit with one ``encode_records`` call,
+new tokens with one ``index_copy_``; the step's first layer encodes the tiles to commit of every
+layer at once (``encode_records``, in chunks of bounded size);
 runs one batched decode attention for all decoding requests and one batched exact attention for
 all prefilling ones. The fp sink and tail staging is a fixed pool reserved out of vLLM's KV budget
 (:mod:`.staging`, :mod:`.hooks`).
@@ -46,6 +47,10 @@ from .settings import DEFAULT_PRESET, kv_cache_dtype_names, settings_from_vllm_c
 from .staging import StagingIndex, encode_records, staging_bytes
 
 logger = logging.getLogger(__name__)
+
+# Values of K (and as many of V) per encode call of a group commit: bounds the normalization's
+# buffers (about 30 bytes per value) to about 120 MiB.
+COMMIT_CHUNK_VALUES = 1 << 22
 
 
 @dataclass
@@ -204,6 +209,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
         self.stage_k: torch.Tensor | None = None  # [(slots + 1) * G, Hk, D], rotated
         self.stage_v: torch.Tensor | None = None
         self._cache_ptr: int | None = None
+        self.pages: torch.Tensor | None = None  # this layer's records, [num_blocks, Hk, record_bytes]
         self._triton_logged = False
         self.tiles_committed = 0  # (block, all KV heads) records this layer has encoded
         install_hooks(vllm_config)
@@ -264,13 +270,11 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
             self.stage_v.index_copy_(0, plan.write_idx, rotate(v[:t], torch.float32).to(self.stage_v.dtype))
         sk = self.stage_k.view(-1, g, hk, d)  # [slots + 1, G, Hk, D]
         sv = self.stage_v.view(-1, g, hk, d)
-        if plan.commit_blocks.numel():  # one encode call for every tile committed this step
+        self.pages = pages
+        plan.index.layers.setdefault(id(self), self)
+        if plan.commit_pending:
             with record_function("kvarn.commit"):
-                records = encode_records(sk.index_select(0, plan.commit_slots),
-                                         sv.index_select(0, plan.commit_slots), cfg, use_triton)
-                pages.index_copy_(0, plan.commit_blocks, records.to(pages.device))
-            plan.layer_committed()
-            self.tiles_committed += plan.commit_blocks.numel()
+                self._commit_group(plan, use_triton)
         if plan.dec_tok.numel():
             with record_function("kvarn.decode"):
                 self._decode(q, sk, sv, pages, plan, out, use_triton)
@@ -280,6 +284,31 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
         for t0, n, length, blocks in plan.extend:
             with record_function("kvarn.extend"):
                 out[t0:t0 + n] = self._extend(q[t0:t0 + n], blocks, length, sk, sv, pages, plan).to(out.dtype)
+
+    def _commit_group(self, plan: StepPlan, use_triton: bool) -> None:
+        """Encode ``plan.commit_blocks`` of every KVarN layer of the group, in as few
+        ``encode_records`` calls as :data:`COMMIT_CHUNK_VALUES` allows.
+
+        The step's first layer does it for all: the previous step staged every layer's tokens of
+        those tiles, and nothing reads them before this step. One call per step instead of one per
+        layer matters on CPU, where a commit of a few tiles is a few hundred small tensor operations.
+        """
+        layers = list(plan.index.layers.values())
+        if len(layers) != plan.num_layers:
+            raise RuntimeError(f"kvarn: {len(layers)} of the group's {plan.num_layers} layers have staging; "
+                               "a tile would be committed for some layers only")
+        g, d, hk = self.config.tile, self.head_size, self.num_kv_heads
+        n = plan.commit_blocks.numel()
+        per_chunk = max(1, COMMIT_CHUNK_VALUES // (n * g * hk * d))
+        for first in range(0, len(layers), per_chunk):
+            chunk = layers[first:first + per_chunk]
+            k = torch.cat([x.stage_k.view(-1, g, hk, d).index_select(0, plan.commit_slots) for x in chunk])
+            v = torch.cat([x.stage_v.view(-1, g, hk, d).index_select(0, plan.commit_slots) for x in chunk])
+            records = encode_records(k, v, self.config, use_triton)  # [len(chunk) * n, Hk, record]
+            for i, layer in enumerate(chunk):
+                layer.pages.index_copy_(0, plan.commit_blocks, records[i * n:(i + 1) * n].to(layer.pages.device))
+                layer.tiles_committed += n
+        plan.committed()
 
     def _decode(self, q, sk, sv, pages, plan: StepPlan, out, use_triton) -> None:
         """One query token for each of B requests. Torch: one :func:`folded_decode_attention` call

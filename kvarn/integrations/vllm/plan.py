@@ -2,7 +2,9 @@
 
 Per request (``ctx`` cached tokens, ``n`` new ones, ``L = ctx + n``, ``sb = S / G`` sink blocks):
 
-1. **Commit** (before attention, one encode call per layer): a request past its prompt has every
+1. **Commit** (before attention, one encode call for every layer of the group at once, made by
+   the step's first layer: every layer's tokens of those tiles were staged by the previous
+   step): a request past its prompt has every
    full tile in ``[sb, ctx // G)`` accepted; the ones not committed yet (tiles completed by the
    previous step, or a prompt that just finished) are encoded into their records. Deferring the
    commit of a tile completed at step t to the start of step t+1 changes nothing that is read:
@@ -62,7 +64,8 @@ class StepPlan:
     pre_groups: list[tuple[int, int, int, int, bool]]
     # extend: (first token, number of tokens, length, block row) per request
     extend: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
-    layers_left: int = 0  # layers that still have to encode commit_blocks this step
+    num_layers: int = 0  # KVarN layers of the group
+    commit_pending: bool = False  # commit_blocks not encoded yet (the step's first layer does it for all)
     index: StagingIndex | None = None  # host-side; the slot table these indices came from
     scratch: dict = field(default_factory=dict)  # buffers the layers of this step share (same shapes)
     host_commit_blocks: torch.Tensor | None = None
@@ -74,10 +77,10 @@ class StepPlan:
                      else v) for k, v in self.__dict__.items()}
         return StepPlan(**moved)
 
-    def layer_committed(self) -> None:
-        """A layer encoded ``commit_blocks``; after the last one their staging slots are free."""
-        self.layers_left -= 1
-        if self.layers_left == 0 and self.index is not None:
+    def committed(self) -> None:
+        """Every layer's ``commit_blocks`` are encoded: their staging slots are free."""
+        self.commit_pending = False
+        if self.index is not None:
             self.index.release_slots_of(self.host_commit_blocks)
 
 
@@ -248,6 +251,6 @@ def build_plan(index: StagingIndex, tile: int, sink_tokens: int, query_start_loc
         dec_fp_slots=torch.cat([sink_slots, tail_slot[:, None]], 1), dec_fp_valid=fp_valid,
         dec_tile_list=tile_blocks[have], dec_tile_row=torch.nonzero(have)[:, 0],
         pre_tok=pre_tok, pre_valid=pre_valid, pre_qpos=pre_qpos, pre_slots=pre_slots, pre_groups=pre_groups,
-        extend=extend, layers_left=num_layers if commit_blocks.numel() else 0,
+        extend=extend, num_layers=num_layers, commit_pending=bool(commit_blocks.numel()),
         index=index, host_commit_blocks=commit_blocks,
     )

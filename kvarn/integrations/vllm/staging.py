@@ -87,6 +87,7 @@ class StagingIndex:
         self.block_to_slot = torch.full((max(num_blocks, 1),), -1, dtype=torch.int64)
         self.committed = torch.zeros(max(num_blocks, 1), dtype=torch.bool)
         self.free = list(range(slots - 1, -1, -1))
+        self.layers: dict[int, object] = {}  # id -> the attention impl of every KVarN layer, in order
 
     @property
     def used(self) -> int:
