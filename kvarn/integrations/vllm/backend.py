@@ -260,7 +260,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
                         self.slots, self.staging_bytes(dtype) / 2**20)
 
     def _forward_kvarn(self, q, k, v, kv_cache, plan: StepPlan, out) -> None:
-        cfg, g, d, hk = self.config, self.config.tile, self.head_size, self.num_kv_heads
+        g, d, hk = self.config.tile, self.head_size, self.num_kv_heads
         pages = kv_cache.view(torch.uint8)[:, :, 0]  # [num_blocks, Hk, record_bytes]
         self._staging(kv_cache, k.dtype)
         use_triton = self._use_triton(q)
