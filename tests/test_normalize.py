@@ -95,3 +95,27 @@ def test_keeps_identity_when_every_iterate_is_worse():
 def test_rejects_non_float32():
     with pytest.raises(TypeError, match="float32"):
         variance_normalize(torch.randn(4, 4, dtype=torch.float64))
+
+
+def _hard_tiles(seed):
+    """Tiles where a float32 std is easy to get wrong: offsets far above the spread, constants,
+    subnormal-sized and huge values, heavy tails."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.randn(24, 64, 128, generator=g)
+    return torch.stack([
+        *(n[:6] * torch.exp(4 * torch.randn(6, 64, 1, generator=g)) + 1e3 * torch.randn(6, 64, 1, generator=g)),
+        *(n[6:12] * 1e-3 + 7.0),  # offset 7000x the spread
+        *(n[12:16] * 1e-38), *(n[16:20] * 1e30),
+        *(torch.full((2, 64, 128), 3.25)), *(n[22:24] ** 5),
+    ])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_ustd_is_torch_std_bit_for_bit(seed):
+    from kvarn.normalize import ustd
+
+    x = _hard_tiles(seed)
+    for dim in (-1, -2):
+        assert torch.equal(ustd(x, dim), x.std(dim=dim, correction=1))
+    assert torch.equal(ustd(x.transpose(-1, -2), -1), x.std(dim=-2))  # strided input
+    assert not torch.equal(ustd(x, -1), x.std(dim=-1, correction=0))  # the n - 1 matters

@@ -7,7 +7,7 @@ from kvarn.codec import FIELD_ORDER, fields_to_records, record_field_views
 from kvarn.config import PRESETS
 from kvarn.integrations.vllm.settings import is_requested, kv_cache_dtype_names, settings_from_vllm_config
 from kvarn.codec import rotate_kv
-from kvarn.integrations.vllm.plan import build_plan, decode_groups
+from kvarn.integrations.vllm.plan import build_plan, decode_groups, prefill_groups
 from kvarn.integrations.vllm.staging import StagingIndex, encode_records, staging_bytes, staging_slots
 from kvarn.methods import TileCodec
 
@@ -99,6 +99,9 @@ def test_plan_batches_prefill_decode_and_commits():
     p = _step(index, [(0, 300, True, a[:3]), (0, 40, True, b)])
     assert p.commit_blocks.numel() == 0 and p.dec_tok.numel() == 0
     assert p.pre_tok.shape == (2, 300) and p.pre_valid.sum() == 340
+    # rows sorted by length (b first); one call each: padding b to 3 blocks would cost more
+    assert p.pre_tok[0, 0] == 300 and p.pre_tok[1, 0] == 0
+    assert p.pre_groups == [(0, 1, 40, 1, True), (1, 2, 300, 3, True)]
     assert index.used == 4  # a: 3 blocks in fp (the prompt stays exact), b: 1
     assert torch.equal(p.write_idx[:3], index.block_to_slot[5] * G + torch.arange(3))
     # step 2: both decode; a's full tile after the sink (block 2) is committed before attention
@@ -108,11 +111,16 @@ def test_plan_batches_prefill_decode_and_commits():
     assert p.dec_tile_counts.tolist() == [0, 1] and p.dec_tile_blocks[1].tolist() == [2]
     assert p.dec_tail_len.tolist() == [0, 301 - 256] and p.dec_sink_len.tolist() == [41, 128]
     assert p.dec_tail_slot[0] == index.zero_slot and p.dec_tail_slot[1] == index.block_to_slot[9]
+    # the folded decode reads the ragged tile list and [sink | tail] staging of each row
+    assert p.dec_tile_list.tolist() == [2] and p.dec_tile_row.tolist() == [1]
+    assert p.dec_fp_slots[1].tolist() == [int(index.block_to_slot[5]), int(index.block_to_slot[9])]
+    assert p.dec_fp_slots[0].tolist() == [int(index.block_to_slot[7]), index.zero_slot]
+    assert p.dec_fp_valid[0].nonzero().flatten().tolist() == list(range(41))
+    assert p.dec_fp_valid[1].nonzero().flatten().tolist() == list(range(128 + 45))  # [sink | tail]
     used = index.used
-    p.layer_committed()
-    assert index.used == used  # the second layer still has to encode block 2
-    p.layer_committed()
-    assert index.used == used - 1 and bool(index.committed[2])
+    assert p.commit_pending and p.num_layers == 2
+    p.committed()  # the step's first layer encoded block 2 for both layers
+    assert index.used == used - 1 and bool(index.committed[2]) and not p.commit_pending
     # a finishes: vLLM reports it, its slots return to the pool and its blocks are no longer committed
     index.release(torch.tensor(a[:3]))
     assert index.used == 1 and not bool(index.committed[2])
@@ -125,6 +133,16 @@ def test_decode_groups_cut_padding():
     assert decode_groups([2] * 32, sink_blocks=1) == [(0, 32, 2)]  # one call when counts agree
     assert decode_groups([0, 1], sink_blocks=1) == [(0, 2, 1)]  # a call costs more than one tile of padding
     assert decode_groups([], sink_blocks=1) == []
+
+
+def test_prefill_groups_cut_quadratic_padding():
+    blocks = [1] * 4 + [4] * 4 + [8] * 2
+    assert prefill_groups(blocks) == [(0, 4, 1), (4, 8, 4), (8, 10, 8)]
+    assert prefill_groups([3, 3]) == [(0, 2, 3)]
+    assert prefill_groups([1, 2]) == [(0, 2, 2)]  # padding 1 -> 2 blocks costs 3, a call 4
+    assert prefill_groups([2, 3]) == [(0, 1, 2), (1, 2, 3)]  # padding 2 -> 3 blocks costs 5
+    assert prefill_groups([1, 7]) == [(0, 1, 1), (1, 2, 7)]
+    assert prefill_groups([]) == []
 
 
 def test_pool_exhaustion_is_an_error_not_an_overwrite():

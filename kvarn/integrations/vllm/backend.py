@@ -7,8 +7,9 @@ its block pool, hence its reported KV capacity in tokens, from the record size.
 
 Per step, the metadata builder turns vLLM's block table, ``seq_lens`` and slot mapping into one
 :class:`~.plan.StepPlan` of index tensors for every layer (:mod:`.plan`): each layer then stages its
-new tokens with one ``index_copy_``, encodes the tiles to commit with one ``encode_records`` call,
-runs one batched ``decode_attention`` for all decoding requests and one batched exact attention for
+new tokens with one ``index_copy_``; the step's first layer encodes the tiles to commit of every
+layer at once (``encode_records``, in chunks of bounded size);
+runs one batched decode attention for all decoding requests and one batched exact attention for
 all prefilling ones. The fp sink and tail staging is a fixed pool reserved out of vLLM's KV budget
 (:mod:`.staging`, :mod:`.hooks`).
 
@@ -36,9 +37,9 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from ...attention import decode_attention
 from ...codec import decode_tiles, record_field_views
 from ...config import PRESETS, KVarNConfig, supported_head_dims
+from ...folded import folded_decode_attention, scratch_buffer
 from ...hadamard import rotate
 from .hooks import install_hooks
 from .plan import StepPlan, build_plan
@@ -46,6 +47,10 @@ from .settings import DEFAULT_PRESET, kv_cache_dtype_names, settings_from_vllm_c
 from .staging import StagingIndex, encode_records, staging_bytes
 
 logger = logging.getLogger(__name__)
+
+# Values of K (and as many of V) per encode call of a group commit: bounds the normalization's
+# buffers (about 30 bytes per value) to about 120 MiB.
+COMMIT_CHUNK_VALUES = 1 << 22
 
 
 @dataclass
@@ -204,6 +209,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
         self.stage_k: torch.Tensor | None = None  # [(slots + 1) * G, Hk, D], rotated
         self.stage_v: torch.Tensor | None = None
         self._cache_ptr: int | None = None
+        self.pages: torch.Tensor | None = None  # this layer's records, [num_blocks, Hk, record_bytes]
         self._triton_logged = False
         self.tiles_committed = 0  # (block, all KV heads) records this layer has encoded
         install_hooks(vllm_config)
@@ -254,7 +260,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
                         self.slots, self.staging_bytes(dtype) / 2**20)
 
     def _forward_kvarn(self, q, k, v, kv_cache, plan: StepPlan, out) -> None:
-        cfg, g, d, hk = self.config, self.config.tile, self.head_size, self.num_kv_heads
+        g, d, hk = self.config.tile, self.head_size, self.num_kv_heads
         pages = kv_cache.view(torch.uint8)[:, :, 0]  # [num_blocks, Hk, record_bytes]
         self._staging(kv_cache, k.dtype)
         use_triton = self._use_triton(q)
@@ -264,13 +270,11 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
             self.stage_v.index_copy_(0, plan.write_idx, rotate(v[:t], torch.float32).to(self.stage_v.dtype))
         sk = self.stage_k.view(-1, g, hk, d)  # [slots + 1, G, Hk, D]
         sv = self.stage_v.view(-1, g, hk, d)
-        if plan.commit_blocks.numel():  # one encode call for every tile committed this step
+        self.pages = pages
+        plan.index.layers.setdefault(id(self), self)
+        if plan.commit_pending:
             with record_function("kvarn.commit"):
-                records = encode_records(sk.index_select(0, plan.commit_slots),
-                                         sv.index_select(0, plan.commit_slots), cfg, use_triton)
-                pages.index_copy_(0, plan.commit_blocks, records.to(pages.device))
-            plan.layer_committed()
-            self.tiles_committed += plan.commit_blocks.numel()
+                self._commit_group(plan, use_triton)
         if plan.dec_tok.numel():
             with record_function("kvarn.decode"):
                 self._decode(q, sk, sv, pages, plan, out, use_triton)
@@ -281,19 +285,62 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
             with record_function("kvarn.extend"):
                 out[t0:t0 + n] = self._extend(q[t0:t0 + n], blocks, length, sk, sv, pages, plan).to(out.dtype)
 
+    def _commit_group(self, plan: StepPlan, use_triton: bool) -> None:
+        """Encode ``plan.commit_blocks`` of every KVarN layer of the group, in as few
+        ``encode_records`` calls as :data:`COMMIT_CHUNK_VALUES` allows.
+
+        The step's first layer does it for all: the previous step staged every layer's tokens of
+        those tiles, and nothing reads them before this step. One call per step instead of one per
+        layer matters on CPU, where a commit of a few tiles is a few hundred small tensor operations.
+        """
+        layers = list(plan.index.layers.values())
+        if len(layers) != plan.num_layers:
+            raise RuntimeError(f"kvarn: {len(layers)} of the group's {plan.num_layers} layers have staging; "
+                               "a tile would be committed for some layers only")
+        g, d, hk = self.config.tile, self.head_size, self.num_kv_heads
+        n = plan.commit_blocks.numel()
+        per_chunk = max(1, COMMIT_CHUNK_VALUES // (n * g * hk * d))
+        for first in range(0, len(layers), per_chunk):
+            chunk = layers[first:first + per_chunk]
+            k = torch.cat([x.stage_k.view(-1, g, hk, d).index_select(0, plan.commit_slots) for x in chunk])
+            v = torch.cat([x.stage_v.view(-1, g, hk, d).index_select(0, plan.commit_slots) for x in chunk])
+            records = encode_records(k, v, self.config, use_triton)  # [len(chunk) * n, Hk, record]
+            for i, layer in enumerate(chunk):
+                layer.pages.index_copy_(0, plan.commit_blocks, records[i * n:(i + 1) * n].to(layer.pages.device))
+                layer.tiles_committed += n
+        plan.committed()
+
     def _decode(self, q, sk, sv, pages, plan: StepPlan, out, use_triton) -> None:
-        """One query token for each of B requests: one packed ``decode_attention`` call per group
-        of :attr:`StepPlan.dec_groups` (at most 3, rows of similar tile counts).
+        """One query token for each of B requests. Torch: one :func:`folded_decode_attention` call
+        over the ragged list of records the rows read. Triton: one packed ``decode_attention`` call per
+        group of :attr:`StepPlan.dec_groups` (at most 3, rows of similar tile counts).
 
         The ``Hq / Hk`` query heads of a KV head are passed as its query tokens (``[B, Hk, group,
         D]``, non-causal: a decode query sees every valid key), so K/V are never repeated per head.
         """
         cfg, g, d, hk = self.config, self.config.tile, self.head_size, self.num_kv_heads
+        if not use_triton:
+            b, ws = plan.dec_tok.numel(), plan.scratch  # the gathers reuse the step's buffers too
+            fp_slots = plan.dec_fp_slots.reshape(-1)
+            shape = (fp_slots.numel(), *sk.shape[1:])
+            fk = torch.index_select(sk, 0, fp_slots, out=scratch_buffer(ws, "fp_k_staged", shape, sk.dtype, sk.device))
+            fv = torch.index_select(sv, 0, fp_slots, out=scratch_buffer(ws, "fp_v_staged", shape, sv.dtype, sv.device))
+            fk, fv = (x.view(b, -1, hk, d).transpose(1, 2) for x in (fk, fv))  # [B, Hk, L, D]
+            tiles = rows = None
+            if plan.dec_tile_list.numel():
+                shape = (plan.dec_tile_list.numel(), *pages.shape[1:])
+                rec = torch.index_select(pages, 0, plan.dec_tile_list,
+                                         out=scratch_buffer(ws, "records", shape, pages.dtype, pages.device))
+                tiles = record_field_views(rec, cfg, d)  # [T, Hk, ...]
+                rows = plan.dec_tile_row
+            o = folded_decode_attention(q.index_select(0, plan.dec_tok), fk, fv, plan.dec_fp_valid, tiles,
+                                        rows, cfg, self.scale, workspace=plan.scratch)
+            out.index_copy_(0, plan.dec_tok, o.to(out.dtype))
+            return
+        from ...kernels import decode_attention as fn
+
         group = self.num_heads // hk
         sb = plan.dec_sink_slots.shape[1]
-        fn = decode_attention
-        if use_triton:
-            from ...kernels import decode_attention as fn
         for first, stop, n_max in plan.dec_groups:
             b, rows = stop - first, slice(first, stop)
             tok = plan.dec_tok[rows]
@@ -310,8 +357,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
                 blocks = plan.dec_tile_blocks[rows, :n_max].reshape(-1)
                 rec = pages.index_select(0, blocks).view(b, n_max, hk, -1).transpose(1, 2)
                 tiles = record_field_views(rec, cfg, d)  # views [b, Hk, N, ...], no copy
-                if use_triton:
-                    tiles = tiles.map(lambda x: x.contiguous())
+                tiles = tiles.map(lambda x: x.contiguous())
             o = fn(qd, sink_k, sink_v, tiles, tail_k, tail_v, cfg, self.scale,
                    sink_lengths=plan.dec_sink_len[rows] if sb else None,
                    tile_counts=plan.dec_tile_counts[rows] if n_max else None,
@@ -319,20 +365,31 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
             out.index_copy_(0, tok, o.reshape(b, self.num_heads, d).to(out.dtype))
 
     def _prefill(self, q, sk, sv, plan: StepPlan, out) -> None:
-        """Prompt tokens of P requests: one exact causal attention over their staged fp tokens."""
+        """Prompt tokens of P requests: exact causal attention over their staged fp tokens, one call
+        per group of :attr:`StepPlan.pre_groups` (rows of similar lengths).
+
+        In the model's dtype, as vLLM's own backends compute it (the staged K/V are in that dtype;
+        the query is rotated in float32). A group of prompts that all start at position 0 uses the
+        kernel's own causal mask: query ``i`` sees keys ``<= i``, and padded keys lie past every
+        valid query of their row.
+        """
         g, d, hk = self.config.tile, self.head_size, self.num_kv_heads
-        p, m = plan.pre_tok.shape
-        kb = plan.pre_slots.shape[1]
-        qp = rotate(q[plan.pre_tok], torch.float32).transpose(1, 2)  # [P, Hq, M, D]
-        flat = plan.pre_slots.reshape(-1)
-        kp = sk.index_select(0, flat).view(p, kb * g, hk, d).transpose(1, 2).float()  # [P, Hk, K*G, D]
-        vp = sv.index_select(0, flat).view(p, kb * g, hk, d).transpose(1, 2).float()
-        kpos = torch.arange(kb * g, device=q.device)
-        mask = (kpos[None, None, :] <= plan.pre_qpos[:, :, None])[:, None]  # [P, 1, M, K*G]
-        o = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,
-                                                             enable_gqa=True)
-        o = rotate(o.transpose(1, 2), torch.float32)  # [P, M, Hq, D], un-rotated
-        out[plan.pre_tok[plan.pre_valid]] = o[plan.pre_valid].to(out.dtype)
+        for first, stop, m, kb, fresh in plan.pre_groups:
+            rows = slice(first, stop)
+            p = stop - first
+            tok, valid = plan.pre_tok[rows, :m], plan.pre_valid[rows, :m]
+            qp = rotate(q[tok], torch.float32).to(sk.dtype).transpose(1, 2)  # [p, Hq, m, D]
+            flat = plan.pre_slots[rows, :kb].reshape(-1)
+            kp = sk.index_select(0, flat).view(p, kb * g, hk, d).transpose(1, 2)  # [p, Hk, kb*G, D]
+            vp = sv.index_select(0, flat).view(p, kb * g, hk, d).transpose(1, 2)
+            mask = None
+            if not fresh:
+                kpos = torch.arange(kb * g, device=q.device)
+                mask = (kpos[None, None, :] <= plan.pre_qpos[rows, :m, None])[:, None]  # [p, 1, m, kb*G]
+            o = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=fresh,
+                                                                 scale=self.scale, enable_gqa=True)
+            o = rotate(o.transpose(1, 2), torch.float32)  # [p, m, Hq, D], un-rotated
+            out[tok[valid]] = o[valid].to(out.dtype)
 
     def _extend(self, q, blocks, length, sk, sv, pages, plan: StepPlan) -> torch.Tensor:
         """Several new tokens of a request past its prompt: exact attention over

@@ -2,7 +2,9 @@
 
 Per request (``ctx`` cached tokens, ``n`` new ones, ``L = ctx + n``, ``sb = S / G`` sink blocks):
 
-1. **Commit** (before attention, one encode call per layer): a request past its prompt has every
+1. **Commit** (before attention, one encode call for every layer of the group at once, made by
+   the step's first layer: every layer's tokens of those tiles were staged by the previous
+   step): a request past its prompt has every
    full tile in ``[sb, ctx // G)`` accepted; the ones not committed yet (tiles completed by the
    previous step, or a prompt that just finished) are encoded into their records. Deferring the
    commit of a tile completed at step t to the start of step t+1 changes nothing that is read:
@@ -10,10 +12,15 @@ Per request (``ctx`` cached tokens, ``n`` new ones, ``L = ctx + n``, ``sb = S / 
    still prefilling are never committed, so the prompt's own attention stays exact across chunks.
 2. **Stage** every new token (rotated) at ``slot * G + offset`` of the flattened staging.
 3. **Attention**, by kind of request:
-   - *decode* (past its prompt, one new token): one batched ``decode_attention`` call over
-     [sink fp | records | tail fp], with tile tables, lengths and slots as ``[B, ...]`` tensors;
-   - *prefill* (prompt tokens in this step): one batched exact causal attention over the staged
-     fp tokens (a prefilling request has no committed tile);
+   - *decode* (past its prompt, one new token): one batched attention call over
+     [sink fp | records | tail fp]: on CPU :func:`kvarn.folded.folded_decode_attention` over the
+     ragged list of every record the rows read (``dec_tile_list`` / ``dec_tile_row``) and their
+     staged sink and tail (``dec_fp_slots`` / ``dec_fp_valid``); the Triton kernel takes padded
+     ``[B, N]`` tile tables in at most :data:`MAX_CALLS` groups of similar tile counts;
+   - *prefill* (prompt tokens in this step): batched exact causal attention over the staged fp
+     tokens (a prefilling request has no committed tile), rows sorted by length and split into at
+     most :data:`MAX_CALLS` calls (:func:`prefill_groups`) so that short prompts are not padded to
+     the longest;
    - *extend* (past its prompt, several new tokens: speculative verification, a preempted request
      recomputed in chunks): exact attention over [sink fp | dequantized records | fp], per request.
 """
@@ -44,15 +51,23 @@ class StepPlan:
     dec_tail_slot: torch.Tensor  # [B]
     dec_tail_len: torch.Tensor  # [B]
     dec_groups: list[tuple[int, int, int]]  # (first, stop, tiles): rows sorted by tile count, one call each
+    dec_fp_slots: torch.Tensor  # [B, sb + 1] staging slots of the sink blocks, then of the tail block
+    dec_fp_valid: torch.Tensor  # [B, (sb + 1) * G] bool: staged positions each row sees
+    dec_tile_list: torch.Tensor  # [T] every committed block a decode row reads (ragged, no padding)
+    dec_tile_row: torch.Tensor  # [T] the decode row of each
     # prefill: P requests, up to M query tokens each
     pre_tok: torch.Tensor  # [P, M] query token index (0 where padded)
     pre_valid: torch.Tensor  # [P, M]
     pre_qpos: torch.Tensor  # [P, M] position of each query token
     pre_slots: torch.Tensor  # [P, K] staging slots of blocks 0..K-1 (zero slot where absent)
+    # (first, stop, queries, key blocks, all rows start at position 0): rows sorted by length
+    pre_groups: list[tuple[int, int, int, int, bool]]
     # extend: (first token, number of tokens, length, block row) per request
     extend: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
-    layers_left: int = 0  # layers that still have to encode commit_blocks this step
+    num_layers: int = 0  # KVarN layers of the group
+    commit_pending: bool = False  # commit_blocks not encoded yet (the step's first layer does it for all)
     index: StagingIndex | None = None  # host-side; the slot table these indices came from
+    scratch: dict = field(default_factory=dict)  # buffers the layers of this step share (same shapes)
     host_commit_blocks: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "StepPlan":
@@ -62,10 +77,10 @@ class StepPlan:
                      else v) for k, v in self.__dict__.items()}
         return StepPlan(**moved)
 
-    def layer_committed(self) -> None:
-        """A layer encoded ``commit_blocks``; after the last one their staging slots are free."""
-        self.layers_left -= 1
-        if self.layers_left == 0 and self.index is not None:
+    def committed(self) -> None:
+        """Every layer's ``commit_blocks`` are encoded: their staging slots are free."""
+        self.commit_pending = False
+        if self.index is not None:
             self.index.release_slots_of(self.host_commit_blocks)
 
 
@@ -73,44 +88,63 @@ def _empty(*shape: int) -> torch.Tensor:
     return torch.zeros(shape, dtype=torch.int64)
 
 
-MAX_DECODE_CALLS = 3
+MAX_CALLS = 3
 CALL_COST = 4  # fixed cost of one decode call, in units of one request's tile (measured on CPU: a few ms)
+PREFILL_CALL_COST = 4  # fixed cost of one prefill call, in units of one block of queries x one block of keys
 
 
-def decode_groups(tiles: list[int], sink_blocks: int, max_calls: int = MAX_DECODE_CALLS) -> list[tuple[int, int, int]]:
-    """Split decode rows (sorted by tile count) into at most ``max_calls`` contiguous groups.
+def split_sorted(values: list[int], cost, max_calls: int = MAX_CALLS) -> list[tuple[int, int, int]]:
+    """Split rows sorted by ``values`` into at most ``max_calls`` contiguous groups, one padded call each.
 
-    One batched call pads every row to the group's largest tile count; with prompts of 75 to 900
-    tokens a single call would dequantize about 2.5x the tiles that exist. The split minimises
-    ``sum(rows * (max tiles + sink and tail blocks)) + CALL_COST * calls`` over the distinct counts.
-    Returns ``(first row, stop row, tiles)`` per group.
+    ``cost(rows, value)`` is the work of one call over ``rows`` rows padded to ``value``; the split
+    minimises the summed cost over cuts at the distinct values. Returns ``(first row, stop row,
+    largest value)`` per group.
     """
-    if not tiles:
+    if not values:
         return []
-    values = sorted(set(tiles))
-    stops = [sum(1 for t in tiles if t <= v) for v in values]  # rows up to each distinct value
-    fixed = sink_blocks + 1
+    distinct = sorted(set(values))
+    stops = [sum(1 for t in values if t <= v) for v in distinct]  # rows up to each distinct value
 
-    def cost(i: int, j: int) -> int:  # values[i..j] in one call
-        rows = stops[j] - (stops[i - 1] if i else 0)
-        return rows * (values[j] + fixed) + CALL_COST
+    def group_cost(i: int, j: int) -> int:  # distinct[i..j] in one call
+        return cost(stops[j] - (stops[i - 1] if i else 0), distinct[j])
 
-    m = len(values)
-    best = {(0, j): (cost(0, j), [j]) for j in range(m)}  # (calls - 1, last value) -> (cost, ends)
+    m = len(distinct)
+    best = {(0, j): (group_cost(0, j), [j]) for j in range(m)}  # (calls - 1, last value) -> (cost, ends)
     for k in range(1, max_calls):
         for j in range(m):
             for i in range(j):
                 prev = best.get((k - 1, i))
                 if prev is not None:
-                    c = prev[0] + cost(i + 1, j)
+                    c = prev[0] + group_cost(i + 1, j)
                     if (k, j) not in best or c < best[(k, j)][0]:
                         best[(k, j)] = (c, prev[1] + [j])
     _, ends = min((best[(k, m - 1)] for k in range(max_calls) if (k, m - 1) in best), key=lambda x: x[0])
     groups, first = [], 0
     for j in ends:
-        groups.append((first, stops[j], values[j]))
+        groups.append((first, stops[j], distinct[j]))
         first = stops[j]
     return groups
+
+
+def decode_groups(tiles: list[int], sink_blocks: int, max_calls: int = MAX_CALLS) -> list[tuple[int, int, int]]:
+    """Decode rows sorted by tile count -> groups for the Triton kernel's padded ``[B, N]`` tile tables.
+
+    One batched call pads every row to the group's largest tile count; with prompts of 75 to 900
+    tokens a single call would read about 2.5x the tiles that exist. Cost of a call:
+    ``rows * (max tiles + sink and tail blocks) + CALL_COST``.
+    """
+    fixed = sink_blocks + 1
+    return split_sorted(tiles, lambda rows, n: rows * (n + fixed) + CALL_COST, max_calls)
+
+
+def prefill_groups(key_blocks: list[int], max_calls: int = MAX_CALLS) -> list[tuple[int, int, int]]:
+    """Prefill rows sorted by key blocks -> groups of one padded exact-attention call each.
+
+    A call's work grows with its rows times its padded queries times its padded keys; a prompt's
+    queries grow with its keys, so a row costs ``(max key blocks)^2``: with prompts of 75 to 900
+    tokens in one call, padding would triple the work.
+    """
+    return split_sorted(key_blocks, lambda rows, kb: rows * kb * kb + PREFILL_CALL_COST, max_calls)
 
 
 def build_plan(index: StagingIndex, tile: int, sink_tokens: int, query_start_loc: torch.Tensor,
@@ -176,9 +210,20 @@ def build_plan(index: StagingIndex, tile: int, sink_tokens: int, query_start_loc
     tail_len = b_len - tail0
     tail_col = (tail0 // g).clamp_max(width - 1)
     tail_slot = torch.where(tail_len > 0, index.slots_of(bt[dec, tail_col]), index.zero_slot)
+    sink_len = b_len.clamp_max(sink_tokens)
+    fp_pos = torch.arange((sb + 1) * g)[None, :]
+    fp_valid = torch.where(fp_pos < sb * g, fp_pos < sink_len[:, None], fp_pos - sb * g < tail_len[:, None])
+    have = torch.arange(n_max)[None, :] < tiles[:, None]  # [B, n_max]
 
     # 3b. prefill requests
     pre = torch.nonzero(active & prefilling.bool()).flatten()
+    pre_kb = (length[pre] + g - 1) // g
+    order = torch.argsort(pre_kb, stable=True)
+    pre, pre_kb = pre[order], pre_kb[order]
+    pre_groups = []
+    for first, stop, kb in prefill_groups(pre_kb.tolist()):
+        rows = pre[first:stop]
+        pre_groups.append((first, stop, int(n[rows].max()), kb, not bool(ctx[rows].any())))
     if pre.numel():
         if bool((index.committed[bt[pre]] & in_seq[pre]).any()):
             raise RuntimeError("kvarn: a prefilling request reads a committed tile")
@@ -200,10 +245,12 @@ def build_plan(index: StagingIndex, tile: int, sink_tokens: int, query_start_loc
     return StepPlan(
         num_actual_tokens=num_actual_tokens, write_idx=write_idx,
         commit_blocks=commit_blocks, commit_slots=commit_slots,
-        dec_tok=qsl[dec], dec_sink_slots=sink_slots, dec_sink_len=b_len.clamp_max(sink_tokens),
+        dec_tok=qsl[dec], dec_sink_slots=sink_slots, dec_sink_len=sink_len,
         dec_tile_blocks=tile_blocks, dec_tile_counts=tiles, dec_tail_slot=tail_slot, dec_tail_len=tail_len,
         dec_groups=decode_groups(tiles.tolist(), sb),
-        pre_tok=pre_tok, pre_valid=pre_valid, pre_qpos=pre_qpos, pre_slots=pre_slots,
-        extend=extend, layers_left=num_layers if commit_blocks.numel() else 0,
+        dec_fp_slots=torch.cat([sink_slots, tail_slot[:, None]], 1), dec_fp_valid=fp_valid,
+        dec_tile_list=tile_blocks[have], dec_tile_row=torch.nonzero(have)[:, 0],
+        pre_tok=pre_tok, pre_valid=pre_valid, pre_qpos=pre_qpos, pre_slots=pre_slots, pre_groups=pre_groups,
+        extend=extend, num_layers=num_layers, commit_pending=bool(commit_blocks.numel()),
         index=index, host_commit_blocks=commit_blocks,
     )

@@ -61,12 +61,13 @@ def encode_records(k: torch.Tensor, v: torch.Tensor, config: KVarNConfig, use_tr
     """Full rotated tiles ``[n, G, Hk, D]`` (staging layout) -> uint8 records ``[n, Hk, record_bytes]``
     in the tile store's order (the backend reads pages with :func:`kvarn.codec.record_field_views`)."""
     d = k.shape[-1]
-    kt = k.permute(0, 2, 3, 1).float()  # [n, Hk, D, G]
-    vt = v.permute(0, 2, 1, 3).float()  # [n, Hk, G, D]
+    # Contiguous tiles: every pass of the normalization then runs over plain memory.
+    kt = k.permute(0, 2, 3, 1).to(torch.float32, memory_format=torch.contiguous_format)  # [n, Hk, D, G]
+    vt = v.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)  # [n, Hk, G, D]
     if use_triton:
         from ...kernels import encode_tiles as triton_encode_tiles
 
-        fields = triton_encode_tiles(kt.contiguous(), vt.contiguous(), config)
+        fields = triton_encode_tiles(kt, vt, config)
         check_encoded(fields, kt, vt)  # the kernel has no range guard of its own
     else:
         fields = encode_tiles(kt, vt, config)
@@ -86,6 +87,7 @@ class StagingIndex:
         self.block_to_slot = torch.full((max(num_blocks, 1),), -1, dtype=torch.int64)
         self.committed = torch.zeros(max(num_blocks, 1), dtype=torch.bool)
         self.free = list(range(slots - 1, -1, -1))
+        self.layers: dict[int, object] = {}  # id -> the attention impl of every KVarN layer, in order
 
     @property
     def used(self) -> int:

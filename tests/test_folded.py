@@ -1,0 +1,98 @@
+"""The scale-folded ragged decode (kvarn.folded) against the reference decode_attention."""
+
+import pytest
+import torch
+
+from kvarn.attention import decode_attention
+from kvarn.codec import encode_tiles, kv_to_tiles, rotate_kv
+from kvarn.config import KVarNConfig
+from kvarn.folded import folded_decode_attention, natural_order, plane_order, unpack_planes
+from kvarn.hadamard import rotate
+from kvarn.pack import pack_codes, unpack_codes
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_unpack_planes_and_orders(bits):
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (3, 16, 5), generator=g, dtype=torch.uint8)  # [.., n, C] natural
+    packed = pack_codes(codes.transpose(-1, -2), bits).transpose(-1, -2)  # packed along n: [.., n/P, C]
+    planes = unpack_planes(packed, bits)
+    assert planes.dtype == torch.float32
+    assert torch.equal(planes, plane_order(codes, bits, dim=1).float())
+    assert torch.equal(natural_order(plane_order(codes, bits, dim=1), bits, dim=1), codes)
+    if bits < 8:
+        assert not torch.equal(plane_order(codes, bits, dim=1), codes)
+
+
+def _case(cfg, b, hk, hq, d, tiles_per_row, fp_lens, seed):
+    """Random history per sequence; the reference gets it padded, the folded path ragged."""
+    g = torch.Generator().manual_seed(seed)
+    n_max, l_cap = max(tiles_per_row), max(fp_lens)
+    t = n_max * cfg.tile
+    k = torch.randn(b, hk, t, d, generator=g) * (1 + 3 * torch.rand(1, 1, 1, d, generator=g)) + 2.0
+    v = torch.randn(b, hk, t, d, generator=g) * torch.exp(torch.randn(b, 1, t, 1, generator=g))
+    tiles = encode_tiles(*kv_to_tiles(rotate_kv(k, cfg), rotate_kv(v, cfg), cfg.tile), cfg)  # [B, Hk, N]
+    fk = torch.randn(b, hk, l_cap, d, generator=g) * 3
+    fv = torch.randn(b, hk, l_cap, d, generator=g)
+    q = torch.randn(b, hq, 1, d, generator=g) * 2
+    counts = torch.tensor(tiles_per_row)
+    lens = torch.tensor(fp_lens)
+    return q, fk, fv, tiles, counts, lens
+
+
+def _dense_reference(q, fk, fv, tiles, counts, lens, cfg, scale):
+    """float64: every tile dequantized exactly (docs/algorithm.md section 3), then plain attention."""
+    f = tiles.map(lambda x: x.double() if x.is_floating_point() else x)
+    kq = unpack_codes(f.k_codes.transpose(-1, -2), cfg.key_bits).double()  # [B, Hk, N, D, G]
+    kd = (kq * f.k_row_scale[..., None] + f.k_row_zero[..., None]) * f.k_col_scale[..., None, :]
+    vq = unpack_codes(f.v_codes.transpose(-1, -2), cfg.value_bits).double()  # [B, Hk, N, G, D]
+    vd = (vq * f.v_row_scale[..., None] + f.v_row_zero[..., None]) * f.v_col_scale[..., None, :]
+    b, hk, n, d, g = kd.shape
+    keys = torch.cat([kd.transpose(-1, -2).reshape(b, hk, n * g, d), fk.double()], 2)
+    values = torch.cat([vd.reshape(b, hk, n * g, d), fv.double()], 2)
+    valid = torch.cat([torch.arange(n * g)[None, :] // g < counts[:, None],
+                       torch.arange(fk.shape[2])[None, :] < lens[:, None]], 1)
+    group = q.shape[1] // hk
+    qr = rotate(q[:, :, 0].double(), torch.float64)
+    s = torch.einsum("bhd,bhld->bhl", qr, keys.repeat_interleave(group, 1)) * scale
+    p = torch.softmax(s.masked_fill(~valid[:, None], float("-inf")), -1)
+    return rotate(torch.einsum("bhl,bhld->bhd", p, values.repeat_interleave(group, 1)), torch.float64)
+
+
+@pytest.mark.parametrize("name", ["k4v2_g128", "k2v2_g64", "k4v4_g64"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_matches_reference_decode(name, d):
+    cfg = KVarNConfig.from_name(name)
+    b, hk, hq = 4, 2, 6
+    q, fk, fv, tiles, counts, lens = _case(cfg, b, hk, hq, d, [3, 0, 1, 2], [5, 1, cfg.tile, 17], seed=d)
+    twin = decode_attention(q, None, None, tiles, fk, fv, cfg, 0.3, tile_counts=counts, tail_lengths=lens,
+                            causal=False)[:, :, 0]
+    ref = _dense_reference(q, fk, fv, tiles, counts, lens, cfg, 0.3)
+    rows = torch.repeat_interleave(torch.arange(b), counts)
+    cols = torch.cat([torch.arange(int(c)) for c in counts])
+    ragged = tiles.map(lambda x: x[rows, :, cols])  # [T, Hk, ...], rows of several sequences mixed
+    perm = torch.randperm(rows.numel(), generator=torch.Generator().manual_seed(1))  # order is free
+    ragged, rows = ragged.map(lambda x: x[perm]), rows[perm]
+    valid = torch.arange(fk.shape[2])[None, :] < lens[:, None]
+    out = folded_decode_attention(q[:, :, 0], fk, fv, valid, ragged, rows, cfg, 0.3)
+    # Both float32: the reference's own tolerance against float64 (tests/test_attention.py), and
+    # against the reference itself.
+    torch.testing.assert_close(twin.double(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out, twin, atol=2e-5, rtol=1e-4)
+    # a wrong tile owner changes the result
+    bad = folded_decode_attention(q[:, :, 0], fk, fv, valid, ragged, rows.flip(0), cfg, 0.3)
+    assert (bad.double() - ref).abs().max() > 1e-2
+
+
+def test_fp_only_and_nothing_visible():
+    cfg = KVarNConfig.from_name("k4v2_g128")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 64, generator=g)
+    fk, fv = torch.randn(2, 2, 7, 64, generator=g), torch.randn(2, 2, 7, 64, generator=g)
+    valid = torch.tensor([[True] * 7, [False] * 7])
+    out = folded_decode_attention(q, fk, fv, valid, None, None, cfg)
+    ref = decode_attention(q[:, :, None], None, None, None, fk, fv, cfg, tail_lengths=torch.tensor([7, 0]),
+                           causal=False)[:, :, 0]
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
