@@ -54,11 +54,19 @@ def _same(a: dict[int, Flavours], b: dict[int, Flavours]) -> bool:
                for n in ("key_rotate", "key_normalize", "value_rotate", "value_normalize"))
 
 
-def _kl(exact: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
-    """Mean KL(exact || got) over positions, per row. exact: ``[T, V]``, got: ``[C, T, V]``."""
-    p = torch.log_softmax(exact.to(torch.float32), dim=-1)
-    q = torch.log_softmax(got.to(torch.float32), dim=-1)
-    return (p.exp() * (p - q)).sum(-1).mean(-1)
+def _kl(exact: torch.Tensor, got: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+    """Mean KL(exact || got) over positions, per row. exact: ``[T, V]``, got: ``[C, T, V]``.
+
+    ``chunk`` positions at a time: over a 262K-token vocabulary the whole ``[C, T, V]`` in float32
+    is 0.8 GB per temporary, and fresh tensors that large cost more in page faults on CPU than the
+    arithmetic (measured: 15.8 s of a 21 s Gemma-3 self-test at 512 tokens, 0.9 s in chunks).
+    """
+    per_pos = []
+    for t0 in range(0, exact.shape[0], chunk):
+        p = torch.log_softmax(exact[t0:t0 + chunk].to(torch.float32), dim=-1)
+        q = torch.log_softmax(got[:, t0:t0 + chunk].to(torch.float32), dim=-1)
+        per_pos.append((p.exp() * (p - q)).sum(-1))
+    return torch.cat(per_pos, dim=-1).mean(-1)
 
 
 @torch.no_grad()

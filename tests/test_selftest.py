@@ -109,3 +109,16 @@ def test_prompt_too_short_for_the_self_test():
     assert self_test_tokens(CFG) == T and list(self_test_positions(CFG)) == list(range(S + G, T))
     with pytest.raises(ValueError, match=f"needs {T} prompt tokens"):
         self_test(model, ids[:, :T - 1], [kv], candidates, CODEC)
+
+
+def test_kl_in_chunks_is_the_whole_kl():
+    """The chunked KL (memory-bounded) equals the KL over all positions at once, for any chunk size."""
+    from kvarn.selftest import _kl
+
+    torch.manual_seed(0)
+    exact, got = torch.randn(11, 50) * 3, torch.randn(3, 11, 50) * 3
+    p = torch.log_softmax(exact, -1)
+    want = (p.exp() * (p - torch.log_softmax(got, -1))).sum(-1).mean(-1)
+    for chunk in (1, 4, 11, 64):
+        torch.testing.assert_close(_kl(exact, got, chunk), want, rtol=1e-6, atol=1e-7)
+    assert (want > 0).all()  # distinct distributions: a KL of zero would not test anything
