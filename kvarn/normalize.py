@@ -25,9 +25,10 @@ LOG_MIN, LOG_MAX = -0.3, 10.0
 IMBALANCE_EPS = 1e-8
 
 
-def _ustd_(y64: torch.Tensor, dim: int) -> torch.Tensor:
-    """:func:`ustd` of a float64 tensor that it overwrites (in-place passes: no new large buffers)."""
-    dev = y64.sub_(y64.mean(dim, keepdim=True))
+def _ustd_(y64: torch.Tensor, dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`ustd` of a float64 tensor; the deviations are written into ``out`` (a buffer of its
+    shape), by default over ``y64`` itself (no new large buffers either way)."""
+    dev = torch.sub(y64, y64.mean(dim, keepdim=True), out=y64 if out is None else out)
     return dev.mul_(dev).sum(dim).div_(y64.shape[dim] - 1).sqrt_().to(torch.float32)
 
 
@@ -70,8 +71,7 @@ class _Workspace:
     def both_std(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(per column over rows ``[..., C]``, per row over columns ``[..., R]``) of ``y: [..., R, C]``."""
         y64 = self.y64.copy_(y)
-        dev = torch.sub(y64, y64.mean(-1, keepdim=True), out=self.dev64)
-        rs = dev.mul_(dev).sum(-1).div_(y.shape[-1] - 1).sqrt_().to(torch.float32)
+        rs = _ustd_(y64, -1, out=self.dev64)  # before the column pass overwrites y64
         return _ustd_(y64, -2), rs
 
 

@@ -221,8 +221,7 @@ class TileStore:
             raise ValueError(f"encode_into needs every row at the same tile count, got {self.counts}")
         g = self.codec.config.tile
         n = keys.shape[2] // g
-        enc = self.codec.encode(keys, values) if self.flavours is None else \
-            self.codec.encode(keys, values, self.flavours)
+        enc = self.codec.encode(keys, values, self.flavours)
         new = _split(enc, g)  # [B, Hk, n, *per_tile]
         self._first_write(enc, {name: x[:, :, 0] for name, x in new.items()})
         if self.counts[0] + n > self.capacity:

@@ -231,10 +231,10 @@ def plan_splits(batch_heads: int, n_tiles: int, fp_tokens: int, device: torch.de
 
     ``waves`` (1 or 2) waves of PROGRAMS_PER_SM programs per multiprocessor (two measured faster for
     two-warp programs on the H200: a program's prologue overlaps another's tiles; one for one-warp
-    programs), at least MIN_TILES_PER_SPLIT tiles per
-    split and at most MAX_SPLITS splits: the last program merges every split's partial alone, so
-    many tiny splits cost more in the merge than they gain (batch 1). The fp region (a BLOCK_N
-    block of fp16 tokens reads as much as ~3 tiles) is split when the tiles alone leave room.
+    programs), at least MIN_TILES_PER_SPLIT tiles per split and at most MAX_SPLITS splits: the last
+    program merges every split's partial alone, so many tiny splits cost more in the merge than they
+    gain (batch 1). The fp region (a BLOCK_N block of fp16 tokens reads as much as ~3 tiles) is
+    split when the tiles alone leave room.
     """
     full = PROGRAMS_PER_SM * _num_sms(device)
     want = max(1, -(-2 * full // batch_heads) if waves == 2 else full // batch_heads)

@@ -157,8 +157,9 @@ def tile_load(
     vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
     D: tl.constexpr, G: tl.constexpr, VB: tl.constexpr,
 ):
-    """Every field of tile ``n``, as registers: issued together, before any use, so one memory
-    latency per tile is paid, and the kernel loads tile n+1 while it computes tile n."""
+    """Every field of tile ``n``, the loads issued together before any use, so a tile pays one
+    memory latency, not one per field; Triton's pipeline (``num_stages`` >= 2) issues them for
+    tile n+1 while tile n is computed."""
     PV: tl.constexpr = 8 // VB
     n64 = b64 * 0 + n
     # K bytes [G/PK, D] and V bytes [D/PV, G]: rows run along each product's reduction axis.

@@ -101,6 +101,15 @@ def flavour_stats(docs: dict[str, dict]) -> list[dict]:
     return out
 
 
+def _kl_ppl_cells(row: dict, methods, preset: str) -> list[str]:
+    """One "KL / ppl" cell per method of a table row ("-" where the study has no figure)."""
+    cells = []
+    for m in methods:
+        v = row.get(f"{m}:{preset}")
+        cells.append("-" if not v else f"{_fig(v[0])} / {_fig(v[1], '.2f')}")
+    return cells
+
+
 def markdown(rows: list[dict], stats: list[dict]) -> str:
     lines = ["| model / text | fp ppl | " + " | ".join(f"{m} KL / ppl" for m in SHOWN) + " | "
              + " | ".join(f"goal {m}" for m in AUTO) + " |",
@@ -109,10 +118,7 @@ def markdown(rows: list[dict], stats: list[dict]) -> str:
         lines.append(f"| **{preset}** |" + " |" * (len(SHOWN) + len(AUTO) + 1))
         key = "k2v2" if preset.startswith("k2") else "k4v2"
         for r in rows:
-            cells = []
-            for m in SHOWN:
-                v = r.get(f"{m}:{preset}")
-                cells.append("-" if not v else f"{_fig(v[0])} / {_fig(v[1], '.2f')}")
+            cells = _kl_ppl_cells(r, SHOWN, preset)
             goals = []
             for rule in AUTO:
                 ok, ratio = r.get(f"{rule}:goal_{key}"), r.get(f"{rule}:kl_ratio_{key}")
@@ -135,10 +141,7 @@ def compact_markdown(rows: list[dict]) -> str:
              "|---|---|---:|" + "---:|" * len(cols) + "---|" * len(GOAL_RULES)]
     for preset, key in (("k2v2_g128", "k2v2"), ("k4v2_g128", "k4v2")):
         for r in rows:
-            cells = []
-            for m in cols:
-                v = r.get(f"{m}:{preset}")
-                cells.append("-" if not v else f"{_fig(v[0])} / {_fig(v[1], '.2f')}")
+            cells = _kl_ppl_cells(r, cols, preset)
             verdict = []
             for rule in GOAL_RULES:
                 ok, ratio = r.get(f"{rule}:goal_{key}"), r.get(f"{rule}:kl_ratio_{key}")
