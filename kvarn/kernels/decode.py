@@ -323,6 +323,8 @@ def decode_attention(
         x = getattr(tiles, name)
         tile_args += [x, *((0, 0, 0) if no_tiles else lead_strides(x, 3, 2 if name.endswith("codes") else 1))]
 
+    if num_stages is not None and int(num_stages) < 1:
+        raise ValueError(f"num_stages={num_stages!r}; use 1 (no software pipeline) or more")
     warps, regs, stages, waves = launch_plan(b * hk, d, m)
     if num_warps is not None:  # an explicit choice keeps the two-wave plan and no cap unless asked
         warps, regs, waves = int(num_warps), None, 2
