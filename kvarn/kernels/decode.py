@@ -4,8 +4,11 @@
 Programs: per (sequence, KV head), ``fp_splits`` programs over the full-precision sink and tail
 and ``tile_splits`` programs over ranges of quantized tiles. Each program reads its tiles once for
 all ``M = GROUP * Tq`` query rows of the KV head. Every program writes ``(m, l, acc)``; the last
-program of a (sequence, head) to finish (an atomic counter) merges them and un-rotates.
-A tile's fields are loaded together (:func:`decode_blocks.tile_load`); with ``num_stages`` >= 2
+program of a (sequence, head) to finish (an atomic counter) merges them and un-rotates. The
+rotations of the query (every program) and of the merged output are done in registers
+(:func:`decode_blocks.hadamard_rows`: two 16-wide MMAs over the Kronecker factors of H), so no
+program reads H and the merge makes no round trip through memory for it: at batch 1 the merge
+is the serial tail of the launch. A tile's fields are loaded together (:func:`decode_blocks.tile_load`); with ``num_stages`` >= 2
 Triton's pipeline copies tile n+1's fields to shared memory while tile n is computed, so the loop
 does not wait on memory. :func:`launch_plan` picks warps, register cap, stages and waves.
 
@@ -25,8 +28,8 @@ order, and the output does not depend on channel order once stored at its index,
 the natural one. The codes only cross shared memory as bytes (the byte transpose into the MMA
 operand layout); unpacking is elementwise in that layout (:func:`decode_blocks.code_plane`).
 
-Precision: the fp32 right operands (``q' sK``, ``p sV``, the query before and the output after the
-rotation) enter the MMA as fp16 high and low halves in adjacent columns (``hilo``), so products
+Precision: the fp32 right operands (``q' sK``, ``p sV``) enter the MMA as fp16 high and low halves
+in adjacent columns (``hilo``), the rotated rows as two fp16 left operands, so products
 are accurate to about 2^-22: codes are exact in fp16 and the dot cancels against the zero-point
 term where keys have a large per-channel offset.
 
@@ -38,7 +41,6 @@ unrotated query and their part of the output is added after the un-rotation.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -48,8 +50,7 @@ import triton.language as tl
 from ..attention import check_decode_inputs, head_flags
 from ..codec import FIELD_ORDER, TileFields
 from ..config import KVarNConfig
-from ..hadamard import hadamard_matrix
-from .decode_blocks import fp_block, hilo, merge_splits, prefetch_l2, rotate_rows, tile_load, tile_step
+from .decode_blocks import fp_block, hadamard_rows, hilo, merge_splits, tile_load, tile_step
 from .layout import check_device, empty_fields, interpreting, lead_strides
 
 LOG2E = 1.4426950408889634
@@ -81,7 +82,7 @@ def launch_plan(batch_heads: int, d: int, m: int) -> tuple[int, int | None, int,
 
 @triton.jit
 def _decode_attention_kernel(
-    q_ptr, q_sb, q_sh, q_st, h_ptr,
+    q_ptr, q_sb, q_sh, q_st,
     sk_ptr, sv_ptr, s_sb, s_sh, s_sn, s_len_ptr, S_CAP,
     tk_ptr, tv_ptr, t_sb, t_sh, t_sn, t_len_ptr, R_CAP,
     kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
@@ -90,12 +91,12 @@ def _decode_attention_kernel(
     vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
     n_len_ptr, krot_ptr, vrot_ptr,
     o_ptr, o_sb, o_sh, o_st, pacc_ptr, pml_ptr, count_ptr,
-    HK, qk_scale, inv_sqrt_d, TILES_PER_SPLIT, FP_SPLITS, NS,
+    HK, qk_scale, inv_sqrt_d, TILES_PER_SPLIT, FP_SPLITS, NS, NT_CAP,
     D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     GROUP: tl.constexpr, TQ: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, FP_ROTATED: tl.constexpr, FLAGS: tl.constexpr, SINGLE: tl.constexpr,
-    KSCALE: tl.constexpr, VSCALE: tl.constexpr, ASM: tl.constexpr, QHILO: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    KSCALE: tl.constexpr, VSCALE: tl.constexpr, ASM: tl.constexpr,
+    S_LEN: tl.constexpr, T_LEN: tl.constexpr, N_LEN: tl.constexpr,
 ):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
@@ -122,10 +123,10 @@ def _decode_attention_kernel(
     FP_ROT: tl.constexpr = 1 if FP_ROTATED else 0
     # Sink and tail have a frame of their own: with fp_frame="model" they are scored unrotated.
     q_rot = tl.where(sp < FP_SPLITS, k_rot * FP_ROT, k_rot)
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     if q_rot != 0:
-        q = rotate_rows(q_ptr, q_off, row_ok, h_ptr, D, QHILO, "") * (inv_sqrt_d * qk_scale)  # log2 domain
-    else:
-        q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale
+        q = hadamard_rows(q, D) * inv_sqrt_d
+    q = q * qk_scale  # log2 domain
     qt = tl.trans(q)  # [D, M]
 
     m_i = tl.full([M], float("-inf"), tl.float32)
@@ -137,8 +138,8 @@ def _decode_attention_kernel(
     if sp < FP_SPLITS:
         bq = hilo(qt)
         big = tl.full([M], 1 << 30, tl.int32)
-        s_len = tl.load(s_len_ptr + b)
-        t_len = tl.load(t_len_ptr + b)
+        s_len = tl.load(s_len_ptr + b) if S_LEN else S_CAP
+        t_len = tl.load(t_len_ptr + b) if T_LEN else R_CAP
         if CAUSAL:
             lim = t_len - TQ + 1 + qi
         else:
@@ -152,15 +153,12 @@ def _decode_attention_kernel(
                 m_i, l_i, accs = fp_block(bq, tk_ptr, tv_ptr, b64 * t_sb + h64 * t_sh, t_sn,
                                           (blk - S_BLOCKS) * BLOCK_N, t_len, lim, m_i, l_i, accs, D, PV, BLOCK_N)
     else:
-        n_len = tl.load(n_len_ptr + b)
+        n_len = tl.load(n_len_ptr + b) if N_LEN else NT_CAP
         t_start = (sp - FP_SPLITS) * TILES_PER_SPLIT
         t_end = tl.minimum(t_start + TILES_PER_SPLIT, n_len)
         t = tl.arange(0, G // (8 // KB))
         c = tl.arange(0, DP)
         g = tl.arange(0, G)
-        KL: tl.constexpr = G * KB * D // 8 // 128  # 128-byte lines of the K codes of a tile
-        VL: tl.constexpr = G * VB * D // 8 // 128
-        lines = tl.arange(0, triton.next_power_of_2(KL + VL))
         for n in range(t_start, t_end):
             fields = tile_load(n, b64, h64, t, c, d, g,
                                kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
@@ -168,12 +166,6 @@ def _decode_attention_kernel(
                                vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
                                vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
                                D, G, VB)
-            if PREFETCH:
-                nxt = b64 * 0 + tl.minimum(n + 1, t_end - 1)
-                kl = tl.minimum(lines, KL - 1)
-                vl = tl.minimum(tl.maximum(lines - KL, 0), VL - 1)
-                prefetch_l2(tl.where(lines < KL, kc_ptr + b64 * kc_sb + h64 * kc_sh + nxt * kc_sn + kl * 128,
-                                     vc_ptr + b64 * vc_sb + h64 * vc_sh + nxt * vc_sn + vl * 128))
             m_i, l_i, accs = tile_step(fields, qt, m_i, l_i, accs, KB, VB, KSCALE, VSCALE, ASM)
 
     # Partial result of this program: rows = query rows, channels at their natural index.
@@ -186,7 +178,7 @@ def _decode_attention_kernel(
 
     if SINGLE:  # this program's own stores: a CTA barrier makes them visible to all its threads
         tl.debug_barrier()
-        merge_splits(pacc_ptr, pml_ptr, h_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS, FP_SPLITS, v_rot * FP_ROT, v_rot,
+        merge_splits(pacc_ptr, pml_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS, FP_SPLITS, v_rot * FP_ROT, v_rot,
                inv_sqrt_d, rows, row_ok, qi, qh, D, M, "")
     else:
         # All threads' stores are done (barrier) before the release; the acquire makes the other
@@ -195,14 +187,8 @@ def _decode_attention_kernel(
         done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
         if done == NS - 1:
             tl.store(count_ptr + bh, 0)  # ready for the next launch
-            merge_splits(pacc_ptr, pml_ptr, h_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS, FP_SPLITS, v_rot * FP_ROT,
+            merge_splits(pacc_ptr, pml_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS, FP_SPLITS, v_rot * FP_ROT,
                    v_rot, inv_sqrt_d, rows, row_ok, qi, qh, D, M, ".cg")
-
-
-@functools.lru_cache(maxsize=16)
-def _pm1_hadamard(d: int, device: torch.device) -> torch.Tensor:
-    """``sqrt(D) * H`` in fp16: entries are exactly +-1."""
-    return (hadamard_matrix(d, device, torch.float32) * math.sqrt(d)).round().to(torch.float16)
 
 
 _COUNTERS: dict = {}
@@ -244,10 +230,9 @@ def plan_splits(batch_heads: int, n_tiles: int, fp_tokens: int, device: torch.de
     return tile_splits, fp_splits
 
 
-def _lengths(x, full, batch, device):
-    if x is None:
-        return torch.full((batch,), full, dtype=torch.int32, device=device)
-    return x.to(device=device, dtype=torch.int32)
+def _lengths(x, placeholder, device):
+    """Per-sequence lengths as int32 on the device; ``placeholder`` (never read) when None."""
+    return placeholder if x is None else x.to(device=device, dtype=torch.int32)
 
 
 def decode_attention(
@@ -271,7 +256,6 @@ def decode_attention(
     fp_splits: int | None = None,
     num_warps: int | None = None,
     max_registers: int | None = None,
-    l2_prefetch: bool = True,
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`kvarn.attention.decode_attention` (see there for shapes), on CUDA.
@@ -283,8 +267,8 @@ def decode_attention(
     ``num_warps``, ``max_registers`` per thread and ``num_stages`` (Triton's software pipeline over
     the tile loop: with 2 or more, tile n+1's fields are copied to shared memory asynchronously
     while tile n is computed), chosen by :func:`launch_plan` by default (an explicit ``num_warps``
-    means two waves of programs and no register cap unless ``max_registers`` is given);
-    ``l2_prefetch``: ask L2 for the next tile's codes while a tile is computed. With ``causal`` and
+    means two waves of programs and no register cap unless ``max_registers`` is given). Lengths
+    left as None are the capacities, passed as scalars (no device tensor is made). With ``causal`` and
     Tq > 1 the tail length precondition (R >= Tq) is the caller's: it is not checked on the device,
     to avoid a host synchronization.
     """
@@ -298,14 +282,13 @@ def decode_attention(
     group = hq // hk
     m = max(4, triton.next_power_of_2(group * tq))
     scale = (1.0 / math.sqrt(d) if scaling is None else float(scaling)) * LOG2E
-    hmat = _pm1_hadamard(d, dev)
     flagged = key_rotated is not None or value_rotated is not None  # else the spec: no flags read
     krot, vrot = (head_flags(x, b, hk, name, dev).to(torch.int8).contiguous() if flagged else None
                   for x, name in ((key_rotated, "key_rotated"), (value_rotated, "value_rotated")))
 
-    dummy = query.new_zeros(1, 1, 1, d)
-    sk, sv = (sink_k, sink_v) if sink_k is not None else (dummy, dummy)
-    tk, tv = (tail_k, tail_v) if tail_k is not None else (dummy, dummy)
+    # An absent sink or tail has capacity 0, so the placeholder (the query) is never read.
+    sk, sv = (sink_k, sink_v) if sink_k is not None else (query, query)
+    tk, tv = (tail_k, tail_v) if tail_k is not None else (query, query)
     for name, x in (("query", query), ("sink_k", sk), ("sink_v", sv), ("tail_k", tk), ("tail_v", tv)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along D")
@@ -348,17 +331,18 @@ def decode_attention(
     flags = krot if krot is not None else counts
     opts = {} if interpreting() or regs is None else {"maxnreg": int(regs)}
     _decode_attention_kernel[(b * hk, ns)](
-        query, query.stride(0), query.stride(1), query.stride(2), hmat,
-        sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), _lengths(sink_lengths, s_cap, b, dev), s_cap,
-        tk, tv, tk.stride(0), tk.stride(1), tk.stride(2), _lengths(tail_lengths, r_cap, b, dev), r_cap,
-        *tile_args, _lengths(tile_counts, n_cap, b, dev), flags, vrot if vrot is not None else counts,
+        query, query.stride(0), query.stride(1), query.stride(2),
+        sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), _lengths(sink_lengths, query, dev), s_cap,
+        tk, tv, tk.stride(0), tk.stride(1), tk.stride(2), _lengths(tail_lengths, query, dev), r_cap,
+        *tile_args, _lengths(tile_counts, query, dev), flags, vrot if vrot is not None else counts,
         out, out.stride(0), out.stride(1), out.stride(2), pacc, pml, counts,
-        hk, scale, 1.0 / math.sqrt(d), per_split, fps, ns,
+        hk, scale, 1.0 / math.sqrt(d), per_split, fps, ns, n_cap,
         D=d, G=config.tile, KB=config.key_bits, VB=config.value_bits,
         GROUP=group, TQ=tq, M=m, CAUSAL=causal, FP_ROTATED=fp_frame == "rotated", FLAGS=krot is not None,
         SINGLE=ns == 1,
         KSCALE=1.0 if config.key_bits == 8 else 512.0, VSCALE=1.0 if config.value_bits == 8 else 512.0,
-        ASM=not interpreting(), QHILO=query.dtype != torch.float16,
-        PREFETCH=bool(l2_prefetch) and not interpreting(), num_warps=warps, num_stages=stages, **opts,
+        ASM=not interpreting(),
+        S_LEN=sink_lengths is not None, T_LEN=tail_lengths is not None, N_LEN=tile_counts is not None,
+        num_warps=warps, num_stages=stages, **opts,
     )
     return out

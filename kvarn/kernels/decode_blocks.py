@@ -1,6 +1,6 @@
 """Triton building blocks of the fused decode kernel (:mod:`kvarn.kernels.decode`).
 
-Code planes, the split-precision product, the Hadamard rotation of a few rows, the online softmax
+Code planes, the split-precision product, the Hadamard rotation of a few rows (in registers), the online softmax
 steps over a quantized tile and over a block of full-precision tokens (sink and tail), and the merge
 of the splits' partial results.
 """
@@ -37,14 +37,6 @@ def code_plane(c, SHIFT: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     else:
         y = ((c >> SHIFT) & ((1 << BITS) - 1)).to(tl.float8e4nv, bitcast=True).to(tl.float16)
     return y
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte lines at ``ptrs`` (no registers, no wait): the next tile's bytes."""
-    tl.inline_asm_elementwise(
-        asm="prefetch.global.L2 [$1];\n mov.u32 $0, 0;", constraints="=r,l", args=[ptrs],
-        dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -92,28 +84,46 @@ def interleave_rows(planes, P: tl.constexpr):
 
 
 @triton.jit
-def rotate_rows(x_ptr, row_off, row_ok, h_ptr, D: tl.constexpr, HILO: tl.constexpr, CACHE: tl.constexpr):
-    """``x @ (sqrt(D) H)`` for rows ``x[r] = x_ptr[row_off[r] + 0..D-1]`` (rows not ``row_ok`` read as 0).
+def _pm1_factor(A: tl.constexpr):
+    """``I_{16/A} (x) sqrt(A) H_A`` as fp16 ``[16, 16]`` (``A`` = 16: ``sqrt(16) H_16``), made from indices.
 
-    ``h_ptr``: ``sqrt(D) H`` as fp16 ``[D, D]`` (+-1, exact). The product runs over chunks of 32
-    channels (``x[:, c] @ H[c, :]``, loaded chunk by chunk), so only a 32 x D slice of H is live in
-    registers, not all of it. HILO: ``x`` enters as fp16 high + low halves (for fp32 rows; fp16
-    rows are exact as they are), so the result is accurate to about 2^-22.
+    Sylvester's ``H[i, j] = (-1)^popcount(i & j) / sqrt(n)``; the identity factor acts on the high
+    bits of the index, ``H_A`` on its low ``log2 A`` bits. Entries are 0 or +-1, exact in fp16.
     """
-    CH: tl.constexpr = 32
-    r: tl.constexpr = row_off.shape[0]
-    k = tl.arange(0, CH)
-    e = tl.arange(0, D)
-    y = tl.zeros([r, D], tl.float32)
-    for c0 in range(0, D, CH):
-        x = tl.load(x_ptr + row_off[:, None] + (c0 + k)[None, :], mask=row_ok[:, None], other=0.0,
-                    cache_modifier=CACHE).to(tl.float32)
-        hm = tl.load(h_ptr + (c0 + k)[:, None] * D + e[None, :])
-        hi = x.to(tl.float16)
-        y = tl.dot(hi, hm, y)
-        if HILO:
-            y = tl.dot((x - hi.to(tl.float32)).to(tl.float16), hm, y)
-    return y
+    i = tl.arange(0, 16)[:, None]
+    j = tl.arange(0, 16)[None, :]
+    x = i & j & (A - 1)
+    x = x ^ (x >> 2)
+    x = x ^ (x >> 1)  # bit 0: parity of the popcount (at most 4 bits)
+    sign = 1 - 2 * (x & 1)
+    return tl.where(i // A == j // A, sign, 0).to(tl.float16)
+
+
+@triton.jit
+def _mm16(x, b):
+    """fp32 ``[R, 16] @ b`` for fp16 ``b`` exact (0, +-1): ``x`` as fp16 high and low halves, fp32
+    sums, so the result is accurate to about 2^-22 relative."""
+    hi = x.to(tl.float16)
+    y = tl.dot(hi, b)
+    return tl.dot((x - hi.to(tl.float32)).to(tl.float16), b, y)
+
+
+@triton.jit
+def hadamard_rows(x, D: tl.constexpr):
+    """``x @ (sqrt(D) H)`` for fp32 rows ``x [R, D]`` (``D`` = 2^n, 32 <= D <= 256, ``R * D >= 256``),
+    in registers: no matrix is read from memory.
+
+    ``sqrt(D) H_D`` is the Kronecker product of ``sqrt(16) H_16`` on the low 4 bits of the channel
+    index and ``sqrt(A) H_A`` (``A = D / 16``) on the high bits, so the product is two small MMAs:
+    over the low 4 bits (rows ``[R * A, 16]``), then, with the two index halves swapped, over the
+    high bits (``I (x) H_A`` as a ``[16, 16]`` matrix: ``H_A`` on the low bits of each group of 16).
+    """
+    A: tl.constexpr = D // 16
+    R: tl.constexpr = x.shape[0]
+    y = _mm16(tl.reshape(x, [R * A, 16]), _pm1_factor(16))  # low bits done: [R, A, 16]
+    y = tl.reshape(tl.permute(tl.reshape(y, [R, A, 16]), (0, 2, 1)), [R * A, 16])  # index (low, high)
+    y = _mm16(y, _pm1_factor(A))  # high bits done: rows (r, low), columns (low-rest, high)
+    return tl.reshape(tl.permute(tl.reshape(y, [R, 16, A]), (0, 2, 1)), [R, D])
 
 
 @triton.jit
@@ -216,16 +226,19 @@ def tile_step(
 
 
 @triton.jit
-def merge_splits(pacc_ptr, pml_ptr, h_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS, FP_SPLITS, fp_out_rot,
+def merge_splits(pacc_ptr, pml_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS, FP_SPLITS, fp_out_rot,
            v_rot, inv_sqrt_d, rows, row_ok, qi, qh, D: tl.constexpr, M: tl.constexpr, CACHE: tl.constexpr):
     """Merge the NS partials of one (sequence, head): rotated-frame ones are un-rotated together."""
-    SB: tl.constexpr = 8  # partials loaded per step (loads in flight)
+    SB: tl.constexpr = 8  # partials summed per step
+    SM: tl.constexpr = 64  # maxima read per step (one step up to 64 splits)
+    # The merge runs in one program after all others, a chain of memory round trips: the maxima
+    # are read in one wide load.
     d = tl.arange(0, D)
     s_off = tl.arange(0, SB)
     base = bh.to(tl.int64) * NS
     m_tot = tl.full([M], float("-inf"), tl.float32)
-    for s0 in range(0, NS, SB):
-        s_idx = s0 + s_off
+    for s0 in range(0, NS, SM):
+        s_idx = s0 + tl.arange(0, SM)
         ml = tl.load(pml_ptr + ((base + s_idx[:, None]) * M + rows[None, :]) * 2,
                      mask=(s_idx < NS)[:, None], other=float("-inf"), cache_modifier=CACHE)
         m_tot = tl.maximum(m_tot, tl.max(ml, axis=0))
@@ -248,12 +261,7 @@ def merge_splits(pacc_ptr, pml_ptr, h_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS,
         wa = w[:, :, None] * a_s
         acc_rot += tl.sum(tl.where(rot[:, None, None], wa, 0.0), axis=0)
         acc_model += tl.sum(tl.where(rot[:, None, None], 0.0, wa), axis=0)
-    # The rotated-frame sum is un-rotated from memory (chunked, see rotate_rows): slot 0 of this
-    # (sequence, head) has been read, so it holds it; a CTA barrier orders the write and the reads.
-    slot = (base * M + rows) * D
-    tl.store(pacc_ptr + slot[:, None] + d[None, :], acc_rot)
-    tl.debug_barrier()
-    o = rotate_rows(pacc_ptr, slot, rows >= 0, h_ptr, D, True, CACHE) * inv_sqrt_d + acc_model
+    o = hadamard_rows(acc_rot, D) * inv_sqrt_d + acc_model
     inv_l = tl.where(l_tot > 0, 1.0 / l_tot, 0.0)
     o = o * inv_l[:, None]
     tl.store(o_ptr + b64 * o_sb + qh[:, None].to(tl.int64) * o_sh + qi[:, None] * o_st + d[None, :],

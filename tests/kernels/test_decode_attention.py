@@ -17,6 +17,18 @@ from kernel_data import HAS_CUDA
 kernels = pytest.importorskip("kvarn.kernels", reason="triton is not importable")
 ATOL = 1e-4
 
+import triton  # noqa: E402 (after the skip: kvarn.kernels needs triton)
+import triton.language as tl  # noqa: E402
+
+from kvarn.hadamard import hadamard_matrix  # noqa: E402
+from kvarn.kernels.decode_blocks import hadamard_rows  # noqa: E402
+
+
+@triton.jit
+def _rotate_rows_kernel(x_ptr, y_ptr, R: tl.constexpr, D: tl.constexpr):
+    off = tl.arange(0, R)[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(y_ptr + off, hadamard_rows(tl.load(x_ptr + off), D))
+
 
 def check(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=None, fp_splits=None, kernel_kw=None, **kw):
     """Kernel vs torch twin; ``num_splits``/``fp_splits``/``kernel_kw`` are the kernel's (None: planned)."""
@@ -52,6 +64,29 @@ def test_decode_model_frame_and_lengths(kdevice):
     )
     check(q, to_model(sk), to_model(sv), tiles, to_model(tk), to_model(tv), cfg, fp_frame="model",
           num_splits=2, **lengths)
+
+
+@pytest.mark.parametrize("given", ["sink_lengths", "tile_counts", "tail_lengths"])
+def test_decode_some_lengths_given(given, kdevice):
+    """A length left as None is the capacity (a scalar in the kernel, no device tensor); one given
+    is read per row. Either way the twin's result, whichever of the three is given."""
+    cfg = KVarNConfig(key_bits=2, value_bits=4, tile=64)
+    sk, sv, tiles, tk, tv, _, _ = history(2, 1, 3, 64, cfg, kdevice, tail=9, seed=2)
+    q = torch.randn(2, 4, 1, 64, device=kdevice).half()
+    short = {"sink_lengths": [64, 17], "tile_counts": [3, 1], "tail_lengths": [9, 2]}[given]
+    check(q, sk, sv, tiles, tk, tv, cfg, num_splits=2, **{given: torch.tensor(short, device=kdevice)})
+
+
+@pytest.mark.parametrize("rows,d", [(4, 64), (4, 128), (8, 128), (4, 256)])
+def test_hadamard_rows_is_the_rotation(rows, d, kdevice):
+    """The kernel's in-register rotation (two small MMAs over the Kronecker factors of H) is
+    ``x @ (sqrt(D) H)`` to fp32 rounding, on rows whose channels span three orders of magnitude."""
+    g = torch.Generator().manual_seed(rows * d)
+    x = torch.randn(rows, d, generator=g) * torch.logspace(0, 3, d)
+    y = torch.empty_like(x, device=kdevice)
+    _rotate_rows_kernel[(1,)](x.to(kdevice), y, rows, d)
+    ref = x.double() @ (hadamard_matrix(d, "cpu", torch.float64) * d ** 0.5)
+    assert (y.cpu().double() - ref).abs().max() <= 1e-6 * ref.abs().max()
 
 
 def test_decode_no_tiles_no_sink(kdevice):
@@ -107,7 +142,7 @@ def test_decode_full_model_frame_bf16(name):
     dict(num_warps=1, num_stages=2),  # the default at many (sequence, head) pairs
     dict(num_warps=2, num_stages=3, max_registers=168),  # the default at batch 1
     dict(num_warps=2, num_stages=2),  # D 256 or 8 rows per KV head: uncapped
-    dict(num_warps=2, num_stages=1, l2_prefetch=False),
+    dict(num_warps=2, num_stages=1),
     dict(num_warps=4, num_stages=2, num_splits=1),
 ])
 def test_decode_launch_plans(knobs, kdevice):
