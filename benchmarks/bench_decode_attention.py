@@ -8,7 +8,9 @@ Both sides read cold data: when one copy of a case's data is smaller than ``--co
 through them, as consecutive layers of a model do (a 10 MB case replayed on one copy would be
 served from L2 and look faster than it is). Tile contents are random codes and scales: speed does
 not depend on the values. ``--sweep`` also times other warps / register caps / split counts and
-reports the best beside the default. Prints a table and writes JSON; asserts nothing.
+reports the best beside the default; ``--head-flags`` also times kvarn-auto's decode (per-head
+rotation flags, sink and tail in the model frame) against the spec's. Prints a table and writes
+JSON; asserts nothing.
 
     PYTHONPATH=. python benchmarks/bench_decode_attention.py --out benchmarks/results/decode_attention_h200.json
 """
@@ -98,14 +100,18 @@ def case_fns(b, hq, hk, d, t, cfg, dev, kw):
         fp = torch.randn(2, b, hk, s + r, d, device=dev, dtype=torch.float16)
         tiles = random_fields(b, hk, n, d, cfg, dev)
         sk, sv, tk, tv = fp[0, :, :, :s], fp[1, :, :, :s], fp[0, :, :, s:], fp[1, :, :, s:]
-        return lambda: kernels.decode_attention(q, sk, sv, tiles, tk, tv, cfg, **kw)
+        extra = dict(kw)
+        if extra.pop("head_flags", False):  # kvarn-auto's path: per-head frames, about half unrotated
+            extra.update(key_rotated=torch.rand(b, hk, device=dev) < 0.5,
+                         value_rotated=torch.rand(b, hk, device=dev) < 0.5, fp_frame="model")
+        return lambda: kernels.decode_attention(q, sk, sv, tiles, tk, tv, cfg, **extra)
 
     fp_bytes = b * hk * t * d * 2 * 2
     kv_bytes = b * hk * (n * cfg.record_bytes(d) + (s + r) * d * 2 * 2)
     return make_sdpa, make_kvarn, fp_bytes, kv_bytes
 
 
-def run(shapes, batches, contexts, presets, sweep, cold_bytes):
+def run(shapes, batches, contexts, presets, sweep, cold_bytes, head_flags=False):
     dev = torch.device("cuda")
     rows = []
     for shape in shapes:
@@ -127,6 +133,10 @@ def run(shapes, batches, contexts, presets, sweep, cold_bytes):
                     t_kv = bench(cycling(make_kv, kv_bytes, cold_bytes))
                     cell = {"us": t_kv * 1e6, "bytes": kv_bytes, "tbps": kv_bytes / t_kv / 1e12,
                             "peak_frac": kv_bytes / t_kv / PEAK, "speedup": t_fp / t_kv}
+                    if head_flags:
+                        _, make_fl, _, _ = case_fns(b, hq, hk, d, t, cfg, dev, {"head_flags": True})
+                        t_fl = bench(cycling(make_fl, kv_bytes, cold_bytes))
+                        cell.update(flags_us=t_fl * 1e6, flags_vs_spec=t_fl / t_kv)
                     if sweep:
                         base_splits = plan_splits(b * hk, n, s + r, dev)[0]
                         tried = {}
@@ -154,7 +164,8 @@ def table(rows, presets):
         for p in presets:
             x = r[p]
             best = f" (best {x['best_speedup']:.2f}x: {x['best']})" if "best" in x else ""
-            cells += [f"{x['us']:.1f} ({x['tbps']:.2f}, {100 * x['peak_frac']:.0f}%)", f"{x['speedup']:.2f}x{best}"]
+            flags = f"; per-head flags {x['flags_us']:.1f} µs ({x['flags_vs_spec']:.3f}x)" if "flags_us" in x else ""
+            cells += [f"{x['us']:.1f} ({x['tbps']:.2f}, {100 * x['peak_frac']:.0f}%){flags}", f"{x['speedup']:.2f}x{best}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -166,11 +177,13 @@ def main():
     ap.add_argument("--contexts", nargs="+", type=int, default=list(CONTEXTS))
     ap.add_argument("--presets", nargs="+", default=list(PRESETS))
     ap.add_argument("--sweep", action="store_true", help="also try other warps/register caps/splits")
+    ap.add_argument("--head-flags", action="store_true",
+                    help="also time kvarn-auto's path (per-head rotation flags, sink and tail in the model frame)")
     ap.add_argument("--cold-bytes", type=int, default=256 << 20)
     ap.add_argument("--out", default="benchmarks/results/decode_attention.json")
     a = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
-    rows = run(a.shapes, a.batches, a.contexts, a.presets, a.sweep, a.cold_bytes)
+    rows = run(a.shapes, a.batches, a.contexts, a.presets, a.sweep, a.cold_bytes, a.head_flags)
     meta = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "peak_bytes_per_s": PEAK, "timing": "triton do_bench_cudagraph median, cold copies",
             "cold_bytes": a.cold_bytes}
