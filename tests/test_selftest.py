@@ -122,3 +122,13 @@ def test_kl_in_chunks_is_the_whole_kl():
     for chunk in (1, 4, 11, 64):
         torch.testing.assert_close(_kl(exact, got, chunk), want, rtol=1e-6, atol=1e-7)
     assert (want > 0).all()  # distinct distributions: a KL of zero would not test anything
+
+
+def test_the_decisions_trial_encodings_give_the_same_self_test():
+    """The history's first tile decoded from the decision's trial encodings is the tile the freeze
+    would write: the same KL, to the bit."""
+    model, ids, kv, decision, candidates = _setup()
+    trials = {0: decision.rows[0].prompt_tiles}
+    assert trials[0] is not None and trials[0].k_codes.shape[:2] == (4, 1)
+    assert self_test(model, ids, [kv], candidates, CODEC, prompt_tiles=trials) == \
+        self_test(model, ids, [kv], candidates, CODEC)

@@ -8,8 +8,9 @@ unchanged; the forward hook switches the model back. Decode steps run untouched.
 
 Order of events per layer: the prefill ``update`` stores the prompt (nothing is encoded yet), the
 attention call delivers the query and the layer decides, and the first decode step's ``freeze``
-encodes the prompt's tiles with the decided flavours; every later tile of the row uses the same
-flavours. A layer that never saw its queries (for example a prefill run outside the model the cache
+stores the prompt's tiles with the decided flavours (the decision's trial encodings of them, the same
+bits the codec would write; with another codec than the torch one, its own encode); every later
+tile of the row uses the same flavours. A layer that never saw its queries (for example a prefill run outside the model the cache
 was built with) falls back to KVarN, with a warning.
 
 Rule r3 (:mod:`kvarn.selftest`) also needs the model itself: the capture keeps each layer's prompt
@@ -28,7 +29,8 @@ import weakref
 import torch
 
 from ..auto import AutoSettings, LayerDecision, decide, fallback
-from ..methods import TileCodec
+from ..codec import FIELD_ORDER, TileFields
+from ..methods import EncodedKV, TileCodec
 from ..selftest import self_test_positions, self_test_tokens, settle
 from .layer import KVarNLayer
 
@@ -61,7 +63,13 @@ class KVarNAutoLayer(KVarNLayer):
         """Decide from the prefill: query ``[B, Hq, L, D]``, keys/values ``[B, Hk, L, D]`` (pads included)."""
         if self.decision is not None or not self.is_initialized or any(self.store.counts):
             return
-        self._set(decide(query, keys, values, self.codec.config, self.pads, self.settings, scaling))
+        decision = decide(query, keys, values, self.codec.config, self.pads, self.settings, scaling)
+        if type(self.codec) is not TileCodec:
+            # The trial encodings are the torch codec's; another codec (the Triton flush) stores
+            # its own bits, so its tiles are encoded by it, and the trial's are not kept.
+            for row in decision.rows:
+                row.prompt_tiles = None
+        self._set(decision)
 
     def _set(self, decision: LayerDecision) -> None:
         self.decision = decision
@@ -74,6 +82,26 @@ class KVarNAutoLayer(KVarNLayer):
                                "it uses KVarN on every head")
             self._set(LayerDecision([fallback(self.heads, 0) for _ in range(self.batch)]))
         super().freeze()
+        if self.decision is not None:
+            for row in self.decision.rows:
+                row.prompt_tiles = None  # used by the prompt's freeze, or never usable
+
+    def _known_encoding(self, rows: list[int]) -> EncodedKV | None:
+        """The prompt's tiles from the decision's trial encodings (the same fields the codec would
+        write: its encode is per tile), at the first freeze, where every row has them."""
+        if self.decision is None or any(self.store.counts):
+            return None
+        counts = {b: rows.count(b) for b in dict.fromkeys(rows)}
+        decisions = self.decision.rows
+        if any(decisions[b].prompt_tiles is None or decisions[b].prompt_tiles.k_codes.shape[2] != n
+               for b, n in counts.items()):
+            return None
+        per_row = [decisions[b].prompt_fields().map(lambda x: x.transpose(0, 1).unsqueeze(2)) for b in counts]
+        tiles = TileFields(**{name: torch.cat([getattr(f, name) for f in per_row]) for name in FIELD_ORDER})
+        m, g, d = len(rows), self.codec.config.tile, self.head_dim
+        flavours = self.store.flavours.select(torch.tensor(rows, device=self.device))
+        nbytes = int(round(self.codec.bytes_per_token(d) * m * self.heads * g))
+        return EncodedKV(self.codec.method, (m, self.heads, g, d), nbytes, tiles=tiles, flavours=flavours)
 
     def _select(self, index: torch.Tensor) -> None:
         super()._select(index)
