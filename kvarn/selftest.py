@@ -57,7 +57,7 @@ def _same(a: dict[int, Flavours], b: dict[int, Flavours]) -> bool:
 
 
 def _kl(exact: torch.Tensor, got: torch.Tensor, chunk: int = 4) -> torch.Tensor:
-    """Mean KL(exact || got) over positions, per row. exact: ``[T, V]``, got: ``[C, T, V]``.
+    """KL(exact || got) per row and position, ``[C, T]``. exact: ``[T, V]``, got: ``[C, T, V]``.
 
     ``chunk`` positions at a time: over a 262K-token vocabulary the whole ``[C, T, V]`` in float32
     is 0.8 GB per temporary, and fresh tensors that large cost more in page faults on CPU than the
@@ -68,7 +68,7 @@ def _kl(exact: torch.Tensor, got: torch.Tensor, chunk: int = 4) -> torch.Tensor:
         p = torch.log_softmax(exact[t0:t0 + chunk].to(torch.float32), dim=-1)
         q = torch.log_softmax(got[:, t0:t0 + chunk].to(torch.float32), dim=-1)
         per_pos.append((p.exp() * (p - q)).sum(-1))
-    return torch.cat(per_pos, dim=-1).mean(-1)
+    return torch.cat(per_pos, dim=-1)
 
 
 @torch.no_grad()
@@ -84,8 +84,8 @@ def self_test(
         (K after RoPE, the model frame).
     candidates: policy -> {layer: Flavours ``[1, Hk]``}; the layers listed are quantized, the others
         stay exact (sliding-window layers). Every candidate lists the same layers.
-    exact_logits: ``[>= T', V]`` the exact prefill's logits at positions ``0..T'-1`` with
-        ``T' >= S + G + chunks * G - 1``; None runs the exact model on the test chunks instead.
+    exact_logits: ``[chunks * G, V]`` the exact prefill's logits at :func:`self_test_positions`;
+        None runs the exact model on the test chunks instead.
     prompt_tiles: per quantized layer, the decision's trial encodings ``[4, Hk, N >= 1, ...]``
         (:attr:`kvarn.auto.RowDecision.prompt_tiles`) of this codec; given, the history's first
         tile is decoded from them instead of encoded again.
@@ -130,15 +130,15 @@ def self_test(
             out.append(model(**kw, past_key_values=cache, use_cache=True).logits)
             if freezer is not None and a + g < start + chunks * g:  # no later chunk reads the last tile
                 freeze_cache(cache, freezer)
-        return torch.cat(out, dim=1)  # [batch, chunks * G, V]
+        return out  # chunks x [batch, G, V]: not concatenated (over a large vocabulary, a copy of 0.4 GB)
 
-    got = run(c, TileFreezer(codec, frozenset(layers), flavours=flavours))
     positions = self_test_positions(config, chunks)
-    exact = exact_logits[positions.start:positions.stop] if exact_logits is not None else run(1, None)[0]
-    if exact.shape[0] != len(positions):
-        raise ValueError(f"exact_logits cover {exact_logits.shape[0]} positions; the self-test needs "
-                         f"{positions.stop}")
-    kl = _kl(exact, got).tolist()
+    if exact_logits is not None and exact_logits.shape[0] != len(positions):
+        raise ValueError(f"exact_logits cover {exact_logits.shape[0]} positions; the self-test compares "
+                         f"{len(positions)} (positions {positions.start}..{positions.stop - 1})")
+    got = run(c, TileFreezer(codec, frozenset(layers), flavours=flavours))
+    exact = exact_logits.split(g) if exact_logits is not None else [x[0] for x in run(1, None)]
+    kl = torch.cat([_kl(e, x) for e, x in zip(exact, got)], dim=-1).mean(-1).tolist()
     return {name: kl[row_of[name]] for name in candidates}
 
 

@@ -213,13 +213,14 @@ def _run_self_tests(model, cache, prompt, embeds, prompt_kv, logits, kept) -> No
                             r, prompt.shape[1] - pad, need)
             continue
         exact = None
+        pos = self_test_positions(first.codec.config)
         if kept is None and logits.shape[1] == prompt.shape[1]:
-            exact = logits[r, pad:]
+            exact = logits[r, pad + pos.start:pad + pos.stop]
         elif kept is not None:
-            index = {p: j for j, p in enumerate(kept[0])}
-            pos = self_test_positions(first.codec.config)
-            exact = torch.zeros(pos.stop, logits.shape[-1], dtype=logits.dtype, device=logits.device)
-            exact[pos.start:] = logits[r, [index[pad + p] for p in pos]]
+            # kept is sorted and holds every test position: they are one slice of it (a view; a
+            # gather would copy 256 positions x the vocabulary)
+            j = kept[0].index(pad + pos.start)
+            exact = logits[r, j:j + len(pos)]
         kv = [(k[r:r + 1, :, pad:], v[r:r + 1, :, pad:]) for k, v in prompt_kv]
         settle(model, prompt[r:r + 1, pad:], kv, decisions, first.codec, exact, row=r, embeds=embeds)
     for la in layers.values():
