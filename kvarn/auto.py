@@ -22,8 +22,8 @@ keys (after RoPE) and values. For one row and one KV head, with ``S`` sink token
    (:mod:`kvarn.selftest`) keeps the one whose logits stay closest to the exact prefill's. Until it
    has run, and where the prompt is too short for it, the row holds a2's flavours.
 
-Cost: the trial is one encode and decode of the body tiles per option, the four as one batch (two
-of them normalized: twice KVarN's own encode), and its encodings are kept (:attr:`RowDecision.prompt_tiles`)
+Cost: the trial is one encode and decode of the body tiles per option (two of them normalized:
+twice KVarN's own encode), and its encodings are kept (:attr:`RowDecision.prompt_tiles`)
 so that the freeze of the prompt's tiles and the self-test's first tile need no encode of their own.
 Queries are sampled at ``max_queries`` evenly spaced positions past the sink, and each block of
 them reads only the keys it can see (about half the pairs), so the four options' key and value
@@ -117,8 +117,8 @@ class RowDecision:
     policy: str | None = None
     self_test_kl: dict[str, float] | None = None
     # The trial encodings of the prompt's tiles past the sink, fields [4, Hk, N, ...] (one row per
-    # option): the freeze of those tiles and the self-test's first tile reuse them (an encode that
-    # costs as much as the trial's own), then drop them.
+    # option): the freeze of those tiles and the self-test's first tile reuse them, so no prompt
+    # tile is encoded twice; the freeze drops them.
     prompt_tiles: TileFields | None = field(default=None, repr=False)
 
     def prompt_fields(self, flags: tuple[torch.Tensor, ...] | None = None) -> TileFields:
@@ -174,7 +174,8 @@ def _error_sums(q, k, k_err, v_err, pos, s, scale):
     errors ``|sum_j p_ij f_j|``, per KV head and option, for the sampled queries ``pos``.
 
     q: ``[Hq, T, D]``, k: ``[Hk, T, D]``; k_err, v_err: ``[Hk, nK, 4, D]`` the errors of the body
-    keys ``s .. s + nK - 1``; pos: sorted query positions, all ``>= s``. Returns ``(key_sum [Hk, 4], value_sum [Hk, 4], causal pairs x heads)``.
+    keys ``s .. s + nK - 1``; pos: sorted query positions, all ``>= s``.
+    Returns ``(key_sum [Hk, 4], value_sum [Hk, 4], causal pairs x query heads per KV head)``.
 
     Queries go in blocks, and a block reads only the keys its last query sees: the causal half of
     the products is never computed, and the four options share one matrix product each.
@@ -226,7 +227,7 @@ def decide_row(
     k, v = keys.to(torch.float32), values.to(torch.float32)
     body = slice(s, s + n * g)
 
-    # Trial quantization: candidate c uses option c for both K and V, all four as one batch.
+    # Trial quantization: candidate c uses option c for both K and V.
     tiles, kh, vh = roundtrip_options(k[:, body], v[:, body], config)
     # Errors laid out [Hk, nK, 4, D]: a prefix of the keys is a contiguous [Hk, m * 4, D] view.
     k_err = (k[None, :, body] - kh).permute(1, 2, 0, 3).contiguous()

@@ -8,10 +8,10 @@ unchanged; the forward hook switches the model back. Decode steps run untouched.
 
 Order of events per layer: the prefill ``update`` stores the prompt (nothing is encoded yet), the
 attention call delivers the query and the layer decides, and the first decode step's ``freeze``
-stores the prompt's tiles with the decided flavours (the decision's trial encodings of them, the same
-bits the codec would write; with another codec than the torch one, its own encode); every later
-tile of the row uses the same flavours. A layer that never saw its queries (for example a prefill run outside the model the cache
-was built with) falls back to KVarN, with a warning.
+stores the prompt's tiles with the decided flavours (the decision's trial encodings of them, the
+same bits the torch codec would write; another codec encodes them itself); every later tile of the
+row uses the same flavours. A layer that never saw its queries (for example a prefill run outside
+the model the cache was built with) falls back to KVarN, with a warning.
 
 Rule r3 (:mod:`kvarn.selftest`) also needs the model itself: the capture keeps each layer's prompt
 K/V, the prefill forward is asked for the exact logits at the self-test's positions (through
