@@ -22,8 +22,13 @@ keys (after RoPE) and values. For one row and one KV head, with ``S`` sink token
    (:mod:`kvarn.selftest`) keeps the one whose logits stay closest to the exact prefill's. Until it
    has run, and where the prompt is too short for it, the row holds a2's flavours.
 
-Cost: queries are sampled at ``max_queries`` evenly spaced positions past the sink, so one score is
-``Hq * max_queries * T * D`` multiply-adds, like one attention pass of ``max_queries`` tokens.
+Cost: the trial is one encode and decode of the body tiles per option (two of them normalized:
+twice KVarN's own encode), and its encodings are kept (:attr:`RowDecision.prompt_tiles`)
+so that the freeze of the prompt's tiles and the self-test's first tile need no encode of their own.
+Queries are sampled at ``max_queries`` evenly spaced positions past the sink, and each block of
+them reads only the keys it can see (about half the pairs), so the four options' key and value
+errors together cost about ``4 * Hq * max_queries * T * D`` multiply-adds, plus one attention pass of
+``max_queries`` queries for ``p``.
 
 Fallback: a row whose prompt has no full tile past the sink (``T < S + G``) keeps the spec's KVarN on
 every head (``decided = False``); so does a layer that never saw its prompt's queries. Rule r3 on
@@ -39,12 +44,15 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import KVarNConfig
-from .flavour import NAMED, OPTIONS, Flavours, roundtrip_flavoured
+from .codec import TileFields
+from .flavour import NAMED, OPTIONS, Flavours, option_index, roundtrip_options, select_options
 
 RULES = ("a2", "a3", "n2", "r3")
 #: Rule r3's candidate policies, in the order ties are broken.
 POLICIES = ("kvarn", "a2", "a3")
-QUERY_BLOCK = 64
+# Sampled queries per block of the error sums: smaller blocks skip more of the non-causal pairs, and
+# below 32 the per-block overhead wins (measured on CPU at 512 and 2048 tokens).
+QUERY_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,19 @@ class RowDecision:
     candidates: dict[str, tuple[torch.Tensor, ...]] | None = None
     policy: str | None = None
     self_test_kl: dict[str, float] | None = None
+    # The trial encodings of the prompt's tiles past the sink, fields [4, Hk, N, ...] (one row per
+    # option): the freeze of those tiles and the self-test's first tile reuse them, so no prompt
+    # tile is encoded twice; the freeze drops them.
+    prompt_tiles: TileFields | None = field(default=None, repr=False)
+
+    def prompt_fields(self, flags: tuple[torch.Tensor, ...] | None = None) -> TileFields:
+        """The prompt's tiles encoded with ``flags`` (key_rotate, key_normalize, value_rotate,
+        value_normalize ``[Hk]``; default: this row's own flags): fields ``[Hk, N, ...]``."""
+        if self.prompt_tiles is None:
+            raise ValueError("this row keeps no trial encodings of its prompt (fallback, or already frozen)")
+        kr, kn, vr, vn = flags if flags is not None else \
+            (self.key_rotate, self.key_normalize, self.value_rotate, self.value_normalize)
+        return select_options(self.prompt_tiles, option_index(kr, kn), option_index(vr, vn))
 
     def adopt(self, policy: str, kl: dict[str, float] | None = None) -> None:
         """Take the flags of candidate ``policy`` (rule r3); ``kl``: the self-test's figures."""
@@ -148,6 +169,40 @@ def _log_corr(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-20)
 
 
+def _error_sums(q, k, k_err, v_err, pos, s, scale):
+    """Sums of the key logit errors ``|q_i . e_j| * scale`` over causal pairs and of the value output
+    errors ``|sum_j p_ij f_j|``, per KV head and option, for the sampled queries ``pos``.
+
+    q: ``[Hq, T, D]``, k: ``[Hk, T, D]``; k_err, v_err: ``[Hk, nK, 4, D]`` the errors of the body
+    keys ``s .. s + nK - 1``; pos: sorted query positions, all ``>= s``.
+    Returns ``(key_sum [Hk, 4], value_sum [Hk, 4], causal pairs x query heads per KV head)``.
+
+    Queries go in blocks, and a block reads only the keys its last query sees: the causal half of
+    the products is never computed, and the four options share one matrix product each.
+    """
+    hq, t, d = q.shape
+    hk, nk, c, _ = k_err.shape
+    grp = hq // hk
+    key_sum = q.new_zeros(hk, c)
+    value_sum = q.new_zeros(hk, c)
+    pairs = 0.0
+    for block in pos.split(QUERY_BLOCK):
+        last, nb = int(block[-1]), len(block)
+        m = min(last - s + 1, nk)  # body keys visible to some query of the block (queries are >= s)
+        # [Hk, grp * nb, D]: a KV head's query heads as rows of one product (no broadcast copies)
+        qs = q[:, block].reshape(hk, grp * nb, d)
+        visible = torch.arange(last + 1, device=q.device)[None, :] <= block[:, None]  # [nb, last + 1]
+        logits = (qs @ k[:, : last + 1].transpose(-1, -2)).mul_(scale).view(hk, grp, nb, last + 1)
+        p = torch.softmax(logits.masked_fill_(~visible, float("-inf")), dim=-1)[..., s:s + m]  # [Hk, grp, nb, m]
+        causal = visible[:, s:s + m].to(q.dtype)  # [nb, m]
+        pairs += float(causal.sum()) * grp
+        logit_err = (qs @ k_err[:, :m].reshape(hk, m * c, d).transpose(-1, -2)).abs_().mul_(scale)
+        key_sum += torch.einsum("hgbmc,bm->hc", logit_err.view(hk, grp, nb, m, c), causal)
+        out_err = p.reshape(hk, grp * nb, m) @ v_err[:, :m].reshape(hk, m, c * d)  # [Hk, grp * nb, 4 * D]
+        value_sum += out_err.abs_().view(hk, grp * nb, c, d).sum(dim=(1, 3))
+    return key_sum, value_sum, pairs
+
+
 @torch.no_grad()
 def decide_row(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, config: KVarNConfig,
@@ -172,36 +227,17 @@ def decide_row(
     k, v = keys.to(torch.float32), values.to(torch.float32)
     body = slice(s, s + n * g)
 
-    # Trial quantization: candidate c uses option c for both K and V (four round trips).
-    k_err, v_err = [], []
-    for rot, norm in OPTIONS:
-        fl = Flavours(*(torch.full((1, hk), x, dtype=torch.bool, device=k.device) for x in (rot, norm, rot, norm)))
-        kh, vh = roundtrip_flavoured(k[None, :, body], v[None, :, body], fl, config)
-        k_err.append(k[:, body] - kh[0])
-        v_err.append(v[:, body] - vh[0])
+    # Trial quantization: candidate c uses option c for both K and V.
+    tiles, kh, vh = roundtrip_options(k[:, body], v[:, body], config)
+    # Errors laid out [Hk, nK, 4, D]: a prefix of the keys is a contiguous [Hk, m * 4, D] view.
+    k_err = (k[None, :, body] - kh).permute(1, 2, 0, 3).contiguous()
+    v_err = (v[None, :, body] - vh).permute(1, 2, 0, 3).contiguous()
 
     # Sampled query positions past the sink, each seeing the quantized keys j <= i.
     nq = min(settings.max_queries, t - s)
     pos = torch.linspace(s, t - 1, nq, device=k.device).round().long().unique()
+    key_sum, value_sum, pairs = _error_sums(q, k, k_err, v_err, pos, s, scale)
     grp = hq // hk
-    key_pos = torch.arange(s, s + n * g, device=k.device)
-    all_pos = torch.arange(t, device=k.device)
-    key_sum = k.new_zeros(hk, len(OPTIONS))
-    value_sum = k.new_zeros(hk, len(OPTIONS))
-    pairs = 0.0
-    # Blocks of queries bound the [Hk, grp, block, T] intermediates on long prompts.
-    for block in pos.split(QUERY_BLOCK):
-        qs = q[:, block].reshape(hk, grp, len(block), d)  # [Hk, grp, nb, D]
-        causal_body = (key_pos[None, :] <= block[:, None]).to(torch.float32)  # [nb, nK]
-        pairs += float(causal_body.sum()) * grp
-        for c, e in enumerate(k_err):
-            logit = (qs @ e[:, None].transpose(-1, -2)).abs() * scale  # [Hk, grp, nb, nK]
-            key_sum[:, c] += (logit * causal_body).sum(dim=(1, 2, 3))
-        visible = all_pos[None, :] <= block[:, None]  # [nb, T]
-        logits = (qs @ k[:, None].transpose(-1, -2)) * scale
-        p = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)[..., body]  # [Hk, grp, nb, nK]
-        for c, f in enumerate(v_err):
-            value_sum[:, c] += (p @ f[:, None]).abs().sum(dim=(1, 2, 3))
     key_scores = key_sum / pairs  # [Hk, 4]: mean over causal (query, key) pairs and query heads
     value_scores = value_sum / (grp * len(pos) * d)  # [Hk, 4]: mean over queries, heads, channels
 
@@ -226,7 +262,7 @@ def decide_row(
         True, *chosen,
         key_logit_error=key_scores.cpu(), value_output_error=value_scores.cpu(),
         variance_energy_corr=_log_corr(variance, energy).cpu(), prompt_tokens=t,
-        candidates=candidates, policy=policy,
+        candidates=candidates, policy=policy, prompt_tiles=tiles,
     )
 
 

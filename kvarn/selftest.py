@@ -21,9 +21,10 @@ flavours on every layer are run once. Needs ``S + G + chunks * G`` prompt tokens
 
 Cost: ``chunks * G`` tokens per distinct candidate through the model (two to three candidates:
 about 1.5x a 512-token prefill's forward, 0.4x a 2048-token one), their full next-token
-distributions (on a large vocabulary the head costs as much again), and one freeze of each chunk's
-tile per candidate (on CPU the torch normalization dominates); nothing at decode. Measured:
-docs/results/drift.md, "Cost".
+distributions (on a large vocabulary the head costs as much again), and the freeze of the first
+chunk's tile per candidate (the history's tile comes decoded from the decision's trial encodings
+where they are given, and the last chunk's tile is read by no later chunk); nothing at decode.
+Measured: docs/results/drift.md, "Cost".
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import torch
 
 from .auto import POLICIES
 from .config import KVarNConfig
-from .flavour import Flavours
+from .codec import TileFields
+from .flavour import Flavours, decode_flavoured, option_index, select_options
 from .methods import TileCodec
 
 CHUNKS = 2  # self-test chunks of one tile each
@@ -55,7 +57,7 @@ def _same(a: dict[int, Flavours], b: dict[int, Flavours]) -> bool:
 
 
 def _kl(exact: torch.Tensor, got: torch.Tensor, chunk: int = 4) -> torch.Tensor:
-    """Mean KL(exact || got) over positions, per row. exact: ``[T, V]``, got: ``[C, T, V]``.
+    """KL(exact || got) per row and position, ``[C, T]``. exact: ``[T, V]``, got: ``[C, T, V]``.
 
     ``chunk`` positions at a time: over a 262K-token vocabulary the whole ``[C, T, V]`` in float32
     is 0.8 GB per temporary, and fresh tensors that large cost more in page faults on CPU than the
@@ -66,14 +68,14 @@ def _kl(exact: torch.Tensor, got: torch.Tensor, chunk: int = 4) -> torch.Tensor:
         p = torch.log_softmax(exact[t0:t0 + chunk].to(torch.float32), dim=-1)
         q = torch.log_softmax(got[:, t0:t0 + chunk].to(torch.float32), dim=-1)
         per_pos.append((p.exp() * (p - q)).sum(-1))
-    return torch.cat(per_pos, dim=-1).mean(-1)
+    return torch.cat(per_pos, dim=-1)
 
 
 @torch.no_grad()
 def self_test(
     model, prompt: torch.Tensor, prompt_kv: list[tuple[torch.Tensor, torch.Tensor]],
     candidates: dict[str, dict[int, Flavours]], codec: TileCodec, exact_logits: torch.Tensor | None = None,
-    *, embeds: bool = False, chunks: int = CHUNKS,
+    *, embeds: bool = False, chunks: int = CHUNKS, prompt_tiles: dict[int, TileFields] | None = None,
 ) -> dict[str, float]:
     """KL of each candidate policy on one row's prompt (module docstring).
 
@@ -82,8 +84,11 @@ def self_test(
         (K after RoPE, the model frame).
     candidates: policy -> {layer: Flavours ``[1, Hk]``}; the layers listed are quantized, the others
         stay exact (sliding-window layers). Every candidate lists the same layers.
-    exact_logits: ``[>= T', V]`` the exact prefill's logits at positions ``0..T'-1`` with
-        ``T' >= S + G + chunks * G - 1``; None runs the exact model on the test chunks instead.
+    exact_logits: ``[chunks * G, V]`` the exact prefill's logits at :func:`self_test_positions`;
+        None runs the exact model on the test chunks instead.
+    prompt_tiles: per quantized layer, the decision's trial encodings ``[4, Hk, N >= 1, ...]``
+        (:attr:`kvarn.auto.RowDecision.prompt_tiles`) of this codec; given, the history's first
+        tile is decoded from them instead of encoded again.
     Returns policy -> KL, in the order of ``candidates``.
     """
     from .analysis.capture import TileFreezer, freeze_cache, new_cache
@@ -114,25 +119,43 @@ def self_test(
         for i, (k, v) in enumerate(prompt_kv):
             cache.update(k[:, :, :start].expand(batch, -1, -1, -1).clone(),
                          v[:, :, :start].expand(batch, -1, -1, -1).clone(), i)
-        if freezer is not None:
+        if freezer is not None and prompt_tiles is not None:
+            _first_tile_from_trials(cache, freezer, prompt_tiles)
+        elif freezer is not None:
             freeze_cache(cache, freezer)
         out = []
         for a in range(start, start + chunks * g, g):
             x = prompt[:, a:a + g].expand(batch, *prompt[:, a:a + g].shape[1:])
             kw = {"inputs_embeds": x} if embeds else {"input_ids": x}
             out.append(model(**kw, past_key_values=cache, use_cache=True).logits)
-            if freezer is not None:
+            if freezer is not None and a + g < start + chunks * g:  # no later chunk reads the last tile
                 freeze_cache(cache, freezer)
-        return torch.cat(out, dim=1)  # [batch, chunks * G, V]
+        return out  # chunks x [batch, G, V]: not concatenated (over a large vocabulary, a copy of 0.4 GB)
 
-    got = run(c, TileFreezer(codec, frozenset(layers), flavours=flavours))
     positions = self_test_positions(config, chunks)
-    exact = exact_logits[positions.start:positions.stop] if exact_logits is not None else run(1, None)[0]
-    if exact.shape[0] != len(positions):
-        raise ValueError(f"exact_logits cover {exact_logits.shape[0]} positions; the self-test needs "
-                         f"{positions.stop}")
-    kl = _kl(exact, got).tolist()
+    if exact_logits is not None and exact_logits.shape[0] != len(positions):
+        raise ValueError(f"exact_logits cover {exact_logits.shape[0]} positions; the self-test compares "
+                         f"{len(positions)} (positions {positions.start}..{positions.stop - 1})")
+    got = run(c, TileFreezer(codec, frozenset(layers), flavours=flavours))
+    exact = exact_logits.split(g) if exact_logits is not None else [x[0] for x in run(1, None)]
+    kl = torch.cat([_kl(e, x) for e, x in zip(exact, got)], dim=-1).mean(-1).tolist()
     return {name: kl[row_of[name]] for name in candidates}
+
+
+def _first_tile_from_trials(cache, freezer, prompt_tiles: dict[int, TileFields]) -> None:
+    """The history's tile past the sink, in each quantized layer and batch row, decoded from the
+    decision's trial encodings with that row's flavours: what ``freeze_cache`` would write (the
+    encode is per tile), without encoding it again."""
+    s, g = freezer.config.sink_tokens, freezer.config.tile
+    for i in freezer.quantized_layers:
+        fl = freezer.flavours[i]  # [C, Hk]
+        tiles = select_options(prompt_tiles[i], option_index(fl.key_rotate, fl.key_normalize),
+                               option_index(fl.value_rotate, fl.value_normalize)).map(lambda x: x[:, :, :1])
+        k, v = decode_flavoured(tiles, fl, freezer.config)
+        layer = cache.layers[i]
+        layer.keys[:, :, s:s + g] = k.to(layer.keys.dtype)
+        layer.values[:, :, s:s + g] = v.to(layer.values.dtype)
+        freezer.frozen[i] = s + g
 
 
 def choose(kl: dict[str, float]) -> str:
@@ -156,7 +179,9 @@ def settle(
     if prompt.shape[1] < self_test_tokens(codec.config):
         return None
     candidates = {name: {i: d.candidate(row, name) for i, d in decisions.items()} for name in POLICIES}
-    kl = self_test(model, prompt, prompt_kv, candidates, codec, exact_logits, embeds=embeds)
+    trials = {i: d.rows[row].prompt_tiles for i, d in decisions.items()}
+    trials = trials if all(t is not None for t in trials.values()) else None
+    kl = self_test(model, prompt, prompt_kv, candidates, codec, exact_logits, embeds=embeds, prompt_tiles=trials)
     best = choose(kl)
     for d in decisions.values():
         d.rows[row].adopt(best, kl)

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from kvarn.auto import AutoSettings, decide, decide_row
-from kvarn.codec import encode_tiles, kv_to_tiles, rotate_kv
+from kvarn.auto import AutoSettings, _error_sums, decide, decide_row
+from kvarn.codec import FIELD_ORDER, encode_tiles, kv_to_tiles, rotate_kv
 from kvarn.config import KVarNConfig
-from kvarn.flavour import NAMED, Flavours, decode_flavoured, encode_flavoured
+from kvarn.flavour import (NAMED, OPTIONS, Flavours, decode_flavoured, encode_flavoured, option_index,
+                           roundtrip_flavoured, roundtrip_options, select_options)
 from kvarn.methods import TileCodec
 
 CFG = KVarNConfig(key_bits=2, value_bits=2, tile=32, sink_tokens=32)
@@ -160,3 +161,44 @@ def test_bad_inputs():
         encode_flavoured(k, v, Flavours.named("kvarn", 1, 3), CFG)
     with pytest.raises(ValueError, match="Hk dividing Hq"):
         decide_row(torch.randn(3, 64, D), torch.randn(2, 64, D), torch.randn(2, 64, D), CFG)
+
+
+def test_the_options_batch_and_its_selection_are_the_per_flavour_encode_bit_for_bit():
+    # The freeze and the self-test reuse the decision's trial encodings in place of encoding the
+    # prompt's tiles again: every field must be what encode_flavoured writes, one tile per row.
+    k, v = _kv(m=1, h=3, n=3, seed=4)
+    tiles, kh, vh = roundtrip_options(k[0], v[0], CFG)
+    for c, (rot, norm) in enumerate(OPTIONS):
+        one = Flavours(*(torch.full((1, 3), x, dtype=torch.bool) for x in (rot, norm, rot, norm)))
+        dk, dv = roundtrip_flavoured(k, v, one, CFG)
+        assert torch.equal(kh[c], dk[0]) and torch.equal(vh[c], dv[0])
+    flags = [torch.tensor(x) for x in ([True, False, True], [True, True, False], [False, True, False],
+                                       [False, True, True])]
+    per_tile = Flavours(*(f[None].expand(3, 3) for f in flags))
+    # [1, Hk, N*G, D] -> [N, Hk, G, D]: one tile per batch row, as the cache's freeze encodes them
+    as_tiles = lambda x: x[0].reshape(3, 3, CFG.tile, D).transpose(0, 1)  # noqa: E731
+    want = encode_flavoured(as_tiles(k), as_tiles(v), per_tile, CFG)
+    got = select_options(tiles, option_index(flags[0], flags[1]), option_index(flags[2], flags[3]))
+    for name in FIELD_ORDER:
+        assert torch.equal(getattr(got, name), getattr(want, name)[:, :, 0].transpose(0, 1)), name
+
+
+def test_error_sums_equal_the_dense_causal_sums():
+    """The block-causal sums (the four options in one product) equal the sums over every causal
+    (query, key) pair computed densely, one option at a time."""
+    g = torch.Generator().manual_seed(5)
+    hq, hk, t, s, nk, c = 4, 2, 150, 32, 96, 4
+    q, k = torch.randn(hq, t, D, generator=g), torch.randn(hk, t, D, generator=g)
+    k_err, v_err = 0.1 * torch.randn(hk, nk, c, D, generator=g), 0.1 * torch.randn(hk, nk, c, D, generator=g)
+    pos = torch.cat([torch.arange(s, t, 2), torch.tensor([t - 1])])  # in and past the body, two blocks
+    key_sum, value_sum, pairs = _error_sums(q, k, k_err, v_err, pos, s, 0.125)
+    qs = q[:, pos].reshape(hk, hq // hk, len(pos), D)
+    causal = (torch.arange(s, s + nk)[None, :] <= pos[:, None]).float()  # [nq, nK]
+    visible = torch.arange(t)[None, :] <= pos[:, None]
+    p = torch.softmax((qs @ k[:, None].transpose(-1, -2) * 0.125).masked_fill(~visible, float("-inf")), -1)
+    for o in range(c):
+        logit = (qs @ k_err[:, None, :, o].transpose(-1, -2)).abs() * 0.125
+        torch.testing.assert_close(key_sum[:, o], (logit * causal).sum((1, 2, 3)), rtol=1e-5, atol=1e-6)
+        out = p[..., s:s + nk] @ v_err[:, None, :, o]
+        torch.testing.assert_close(value_sum[:, o], out.abs().sum((1, 2, 3)), rtol=1e-5, atol=1e-6)
+    assert pairs == float(causal.sum()) * (hq // hk)

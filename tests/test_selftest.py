@@ -84,12 +84,13 @@ def test_given_exact_logits_match_the_exact_run():
     from kvarn.analysis.capture import new_cache
 
     exact = model(ids, new_cache(1)).logits[0]  # the exact prefill of the whole prompt
-    with_logits = self_test(model, ids, [kv], candidates, CODEC, exact)
+    pos = self_test_positions(CFG)
+    with_logits = self_test(model, ids, [kv], candidates, CODEC, exact[pos.start:pos.stop])
     without = self_test(model, ids, [kv], candidates, CODEC)
     for p in POLICIES:
         assert with_logits[p] == pytest.approx(without[p], rel=1e-4, abs=1e-7)
     with pytest.raises(ValueError, match="exact_logits cover"):
-        self_test(model, ids, [kv], candidates, CODEC, exact[:T - G])
+        self_test(model, ids, [kv], candidates, CODEC, exact[pos.start:pos.stop - 1])
 
 
 def test_a_constructed_winner_whatever_its_name_and_ties_go_to_kvarn():
@@ -120,5 +121,15 @@ def test_kl_in_chunks_is_the_whole_kl():
     p = torch.log_softmax(exact, -1)
     want = (p.exp() * (p - torch.log_softmax(got, -1))).sum(-1).mean(-1)
     for chunk in (1, 4, 11, 64):
-        torch.testing.assert_close(_kl(exact, got, chunk), want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(_kl(exact, got, chunk).mean(-1), want, rtol=1e-6, atol=1e-7)
     assert (want > 0).all()  # distinct distributions: a KL of zero would not test anything
+
+
+def test_the_decisions_trial_encodings_give_the_same_self_test():
+    """The history's first tile decoded from the decision's trial encodings is the tile the freeze
+    would write: the same KL, to the bit."""
+    model, ids, kv, decision, candidates = _setup()
+    trials = {0: decision.rows[0].prompt_tiles}
+    assert trials[0] is not None and trials[0].k_codes.shape[:2] == (4, 1)
+    assert self_test(model, ids, [kv], candidates, CODEC, prompt_tiles=trials) == \
+        self_test(model, ids, [kv], candidates, CODEC)

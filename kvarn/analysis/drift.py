@@ -351,10 +351,11 @@ def _decide_prompt(module, q, k, v, kw, run_states, probes, diagnostics) -> None
 
 def _self_test_policy(model, prompt, shadow, fp_logits, st: _MethodState) -> None:
     """kvarn-auto rule r3: the self-test (:mod:`kvarn.selftest`) on the first pass picks the policy."""
-    from ..selftest import settle
+    from ..selftest import self_test_positions, settle
 
     kv = [(la.keys, la.values) for la in shadow.layers]
-    if settle(model, prompt, kv, st.layer_decisions, st.codec, fp_logits) is not None:
+    pos = self_test_positions(st.codec.config)
+    if settle(model, prompt, kv, st.layer_decisions, st.codec, fp_logits[pos.start:pos.stop]) is not None:
         for i, d in st.layer_decisions.items():
             st.set_flavours(i, d)
 

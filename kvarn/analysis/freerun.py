@@ -52,7 +52,7 @@ def _freezer(model, spec: MethodSpec, sink_tokens, quantize_sliding_window, prom
 def _decide_on_prompt(model, prompt_ids: torch.Tensor, freezer: TileFreezer, settings) -> None:
     """kvarn-auto: one exact prefill of the prompt sets the freezer's flavours for every quantized layer
     (rule r3: then the self-test on it, :func:`kvarn.selftest.settle`)."""
-    from ..selftest import settle
+    from ..selftest import self_test_positions, settle
 
     decisions = {}
 
@@ -65,7 +65,9 @@ def _decide_on_prompt(model, prompt_ids: torch.Tensor, freezer: TileFreezer, set
     with observe(model, observer):
         logits = model(input_ids=prompt_ids, past_key_values=cache, use_cache=True).logits[0]
     if settings.rule == "r3":
-        settle(model, prompt_ids, [(la.keys, la.values) for la in cache.layers], decisions, freezer.codec, logits)
+        pos = self_test_positions(freezer.config)
+        settle(model, prompt_ids, [(la.keys, la.values) for la in cache.layers], decisions, freezer.codec,
+               logits[pos.start:pos.stop])
     for i, d in decisions.items():
         freezer.flavours[i] = d.flavours
 

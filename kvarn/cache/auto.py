@@ -8,9 +8,10 @@ unchanged; the forward hook switches the model back. Decode steps run untouched.
 
 Order of events per layer: the prefill ``update`` stores the prompt (nothing is encoded yet), the
 attention call delivers the query and the layer decides, and the first decode step's ``freeze``
-encodes the prompt's tiles with the decided flavours; every later tile of the row uses the same
-flavours. A layer that never saw its queries (for example a prefill run outside the model the cache
-was built with) falls back to KVarN, with a warning.
+stores the prompt's tiles with the decided flavours (the decision's trial encodings of them, the
+same bits the torch codec would write; another codec encodes them itself); every later tile of the
+row uses the same flavours. A layer that never saw its queries (for example a prefill run outside
+the model the cache was built with) falls back to KVarN, with a warning.
 
 Rule r3 (:mod:`kvarn.selftest`) also needs the model itself: the capture keeps each layer's prompt
 K/V, the prefill forward is asked for the exact logits at the self-test's positions (through
@@ -28,7 +29,8 @@ import weakref
 import torch
 
 from ..auto import AutoSettings, LayerDecision, decide, fallback
-from ..methods import TileCodec
+from ..codec import FIELD_ORDER, TileFields
+from ..methods import EncodedKV, TileCodec
 from ..selftest import self_test_positions, self_test_tokens, settle
 from .layer import KVarNLayer
 
@@ -61,7 +63,13 @@ class KVarNAutoLayer(KVarNLayer):
         """Decide from the prefill: query ``[B, Hq, L, D]``, keys/values ``[B, Hk, L, D]`` (pads included)."""
         if self.decision is not None or not self.is_initialized or any(self.store.counts):
             return
-        self._set(decide(query, keys, values, self.codec.config, self.pads, self.settings, scaling))
+        decision = decide(query, keys, values, self.codec.config, self.pads, self.settings, scaling)
+        if type(self.codec) is not TileCodec:
+            # The trial encodings are the torch codec's; another codec (the Triton flush) stores
+            # its own bits, so its tiles are encoded by it, and the trial's are not kept.
+            for row in decision.rows:
+                row.prompt_tiles = None
+        self._set(decision)
 
     def _set(self, decision: LayerDecision) -> None:
         self.decision = decision
@@ -74,6 +82,26 @@ class KVarNAutoLayer(KVarNLayer):
                                "it uses KVarN on every head")
             self._set(LayerDecision([fallback(self.heads, 0) for _ in range(self.batch)]))
         super().freeze()
+        if self.decision is not None:
+            for row in self.decision.rows:
+                row.prompt_tiles = None  # used by the prompt's freeze, or never usable
+
+    def _known_encoding(self, rows: list[int]) -> EncodedKV | None:
+        """The prompt's tiles from the decision's trial encodings (the same fields the codec would
+        write: its encode is per tile), at the first freeze, where every row has them."""
+        if self.decision is None or any(self.store.counts):
+            return None
+        counts = {b: rows.count(b) for b in dict.fromkeys(rows)}
+        decisions = self.decision.rows
+        if any(decisions[b].prompt_tiles is None or decisions[b].prompt_tiles.k_codes.shape[2] != n
+               for b, n in counts.items()):
+            return None
+        per_row = [decisions[b].prompt_fields().map(lambda x: x.transpose(0, 1).unsqueeze(2)) for b in counts]
+        tiles = TileFields(**{name: torch.cat([getattr(f, name) for f in per_row]) for name in FIELD_ORDER})
+        m, g, d = len(rows), self.codec.config.tile, self.head_dim
+        flavours = self.store.flavours.select(torch.tensor(rows, device=self.device))
+        nbytes = int(round(self.codec.bytes_per_token(d) * m * self.heads * g))
+        return EncodedKV(self.codec.method, (m, self.heads, g, d), nbytes, tiles=tiles, flavours=flavours)
 
     def _select(self, index: torch.Tensor) -> None:
         super()._select(index)
@@ -185,13 +213,14 @@ def _run_self_tests(model, cache, prompt, embeds, prompt_kv, logits, kept) -> No
                             r, prompt.shape[1] - pad, need)
             continue
         exact = None
+        pos = self_test_positions(first.codec.config)
         if kept is None and logits.shape[1] == prompt.shape[1]:
-            exact = logits[r, pad:]
+            exact = logits[r, pad + pos.start:pad + pos.stop]
         elif kept is not None:
-            index = {p: j for j, p in enumerate(kept[0])}
-            pos = self_test_positions(first.codec.config)
-            exact = torch.zeros(pos.stop, logits.shape[-1], dtype=logits.dtype, device=logits.device)
-            exact[pos.start:] = logits[r, [index[pad + p] for p in pos]]
+            # kept is sorted and holds every test position: they are one slice of it (a view; a
+            # gather would copy 256 positions x the vocabulary)
+            j = kept[0].index(pad + pos.start)
+            exact = logits[r, j:j + len(pos)]
         kv = [(k[r:r + 1, :, pad:], v[r:r + 1, :, pad:]) for k, v in prompt_kv]
         settle(model, prompt[r:r + 1, pad:], kv, decisions, first.codec, exact, row=r, embeds=embeds)
     for la in layers.values():

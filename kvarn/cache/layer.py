@@ -240,7 +240,8 @@ class KVarNLayer(CacheLayerMixin):
                 rows += [b] * n
             plan.append((to_sink, to_sink + n * g))
         if rows:
-            self.store.append(rows, torch.cat(ks), torch.cat(vs))  # copies before the tail shifts
+            # cat copies before the tail shifts
+            self.store.append(rows, torch.cat(ks), torch.cat(vs), self._known_encoding(rows))
         self._ensure_sink(max(s + t for s, (t, _) in zip(self.sink_len, plan)))
         for b, (to_sink, consumed) in enumerate(plan):
             if to_sink:
@@ -254,6 +255,11 @@ class KVarNLayer(CacheLayerMixin):
                 self.tail_v[b, :, : t - consumed] = self.tail_v[b, :, consumed:t].clone()
                 self.tail_len[b] = t - consumed
         self._shrink_tail()
+
+    def _known_encoding(self, rows: list[int]):
+        """The encoding of the tiles :meth:`freeze` stores now (rows as ``store.append`` takes them),
+        where one is at hand; None: the store encodes them."""
+        return None
 
     def _shrink_tail(self) -> None:
         # A long prefill (or a multi-token step) grows the tail; once its tiles are frozen the tail

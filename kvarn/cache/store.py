@@ -155,12 +155,16 @@ class TileStore:
                     n_[:, :, : o.shape[2]] = o
         self.capacity = new
 
-    def append(self, rows: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
+    def append(self, rows: list[int], keys: torch.Tensor, values: torch.Tensor,
+               encoded: EncodedKV | None = None) -> None:
         """Encode ``M`` complete tiles and store tile ``m`` as the next slot of row ``rows[m]``.
 
-        keys, values: ``[M, Hk, G, D]`` in the model frame and dtype.
+        keys, values: ``[M, Hk, G, D]`` in the model frame and dtype. encoded: their encoding by
+        this store's codec where the caller has it already (kvarn-auto's trial of the prompt).
         """
-        if self.flavours is None:
+        if encoded is not None:
+            enc = encoded
+        elif self.flavours is None:
             enc = self.codec.encode(keys, values)
         else:  # kvarn-auto: the flavours of the tiles' rows
             rows_t = torch.tensor(rows, device=self.flavours.key_rotate.device)
