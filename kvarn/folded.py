@@ -9,28 +9,32 @@ has two parts, both in the rotated frame (``k' = k @ H``):
   :class:`~kvarn.codec.TileFields`) belongs to sequence ``tile_row[t]``, so no sequence is padded
   to the longest one.
 
-The tiles are never dequantized. With the scales folded (docs/algorithm.md section 5, exact):
+The full-precision part is one fused attention call (PyTorch's CPU flash attention, which also
+returns the log-sum-exp) in the dtype of the staged keys, as vLLM's own CPU backend computes it:
+its output and log-sum-exp merge into the softmax over the tiles below. The tiles are never
+dequantized. With the scales folded (docs/algorithm.md section 5, exact):
 
     s[g]  = rK[g] * ( sum_d (q'_d sK_d) codeK[d, g] + q' . zK )
     o'[d] = sum over tiles of cV[d] * ( sum_g (p_g sV_g) codeV[g, d] + p . zV )
 
 so each tile costs two batched matrix products of its unpacked codes (small integers, exact in
-float32) against ``Gq`` columns, plus vectors of length G or D. The codes enter the products
-centred, ``code - c`` with ``c = (2^b - 1) / 2`` (exact halves; the zero becomes ``z + c s``): the two
-terms then no longer cancel where a row's range sits far from zero, which keeps the float32
-rounding of the sums at the size of the reference's. One softmax covers both parts:
-the maximum and the sum per (sequence, query head) are reduced over the tiles with
-``scatter_reduce`` / ``index_add`` on ``tile_row``.
+float32) against ``Gq`` rows, plus vectors of length G or D. The codes enter the products
+centred, ``code - c`` with ``c = 2^(b-1)`` (the zero becomes ``z + c s``): the two terms then no
+longer cancel where a row's range sits far from zero, which keeps the float32 rounding of the sums
+at the size of the reference's. One softmax covers both parts: the maximum and the sum per
+(sequence, query head) are reduced over the tiles with ``scatter_reduce`` / ``index_add`` on
+``tile_row``.
 
 Code order. The codes are unpacked by bit plane and used in that order, never interleaved back:
 bit plane ``i`` of the stored K bytes ``[G/P, D]`` holds the tokens ``{P t + i}``, so the scores of
 a tile come out in token order ``(i, t)``; ``rK`` is permuted to match and the probabilities are put
-back in natural order (a ``[T, Hk, G, Gq]`` tensor) for the V product. Bit plane ``j`` of the stored V
+back in natural order (a ``[T, Hk, Gq, G]`` tensor) for the V product. Bit plane ``j`` of the stored V
 bytes ``[D/P, G]`` holds the channels ``{P c + j}``: the tiles' outputs are summed in that channel
 order and put back once per sequence.
 
 Agrees with :func:`kvarn.attention.decode_attention` (the reference, which dequantizes every tile
-to float32) to float32 rounding; tests/test_folded.py checks it.
+to float32) to float32 rounding for float32 inputs, and to the rounding of the input dtype for
+16-bit fp keys; tests/test_folded.py checks both.
 """
 
 from __future__ import annotations
@@ -110,6 +114,25 @@ def natural_order(x: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     return out.movedim(-1, dim)
 
 
+def _fp_attention(q: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor,
+                  fp_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled query ``q [B, Hk, Gq, D]`` (float32) over the fp keys, non-causal: the ``Gq`` query
+    heads of a KV head are its query rows, so K/V are never repeated per head.
+
+    Returns (output float32 ``[B, Hk, Gq, D]``, normalized; log-sum-exp ``[B, Hk, Gq]``, ``-inf``
+    where a sequence sees no fp key). In the dtype of ``fp_k``, read in place (no float32 copies).
+    """
+    b, hk, gq, d = q.shape
+    if fp_k.shape[2] == 0:
+        return q.new_zeros(b, hk, gq, d), q.new_full((b, hk, gq), float("-inf"))
+    bias = torch.zeros(fp_valid.shape, dtype=fp_k.dtype, device=q.device).masked_fill_(~fp_valid, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.to(fp_k.dtype), fp_k, fp_v, 0.0, False, attn_mask=bias[:, None, None, :], scale=1.0)
+    # A row that sees nothing comes back as output 0, log-sum-exp 0.
+    lse = lse.masked_fill(~fp_valid.any(-1)[:, None, None], float("-inf"))
+    return out.to(torch.float32), lse
+
+
 def folded_decode_attention(
     query: torch.Tensor,
     fp_k: torch.Tensor,
@@ -124,14 +147,15 @@ def folded_decode_attention(
     """Attention of one query token per sequence over [fp keys | ragged packed tiles].
 
     query:    ``[B, Hq, D]`` un-rotated (after RoPE), any float dtype.
-    fp_k, fp_v: ``[B, Hk, L, D]`` rotated, any float dtype (``L`` may be 0).
+    fp_k, fp_v: ``[B, Hk, L, D]`` rotated, one float dtype, CPU tensors (``L`` may be 0); any strides
+        with a contiguous last axis (views of a token-major staging buffer are fine).
     fp_valid: bool ``[B, L]``: which fp positions a sequence sees.
     tiles:    :class:`TileFields` with leading dims ``[T, Hk]`` (views of records are fine), or None.
     tile_row: int64 ``[T]``: the sequence of each tile (any order), or None with ``tiles``.
     config:   the codec settings the tiles were written with (bits, G).
     scaling:  softmax scale, default ``1 / sqrt(D)``.
     workspace: optional dict the caller keeps between calls of the same shapes (every layer of a
-        step): the large intermediates are written into its buffers instead of fresh tensors, whose
+        step): the unpacked codes are written into its buffers instead of fresh tensors, whose
         page faults cost on CPU about as much as the passes themselves.
 
     Returns float32 ``[B, Hq, D]``, un-rotated. A sequence with no visible key gets 0.
@@ -146,18 +170,13 @@ def folded_decode_attention(
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     q = (rotate(query, torch.float32) * scale).view(b, hk, gq, d)  # the softmax scale, once
 
-    # Every product keeps the long axis (keys, or channels of the output) innermost: the scores are
-    # [.., Gq, keys], so the per-key scale, the maximum and exp run over contiguous rows (with the
-    # Gq = Hq / Hk axis innermost they cost several times more than the products).
-    # The fp part: float32 copies, head-major (the copy converts the dtype anyway).
-    fp_len = fp_k.shape[2]
-    fk = scratch_buffer(workspace, "fp_k", (b, hk, fp_len, d), torch.float32, q.device).copy_(fp_k)
-    fv = scratch_buffer(workspace, "fp_v", (b, hk, fp_len, d), torch.float32, q.device).copy_(fp_v)
-    s_fp = torch.matmul(q, fk.transpose(-1, -2))  # [B, Hk, Gq, L]
-    s_fp.masked_fill_(~fp_valid[:, None, None, :], float("-inf"))
-    m = s_fp.amax(-1) if fp_len else s_fp.new_full((b, hk, gq), float("-inf"))
+    o_fp, lse_fp = _fp_attention(q, fp_k, fp_v, fp_valid)
+    m = lse_fp  # the fp part's log-sum-exp starts the maximum
     has_tiles = tiles is not None and tile_row.numel() > 0
     if has_tiles:
+        # Every product keeps the long axis (keys, or channels of the output) innermost: the scores are
+        # [.., Gq, keys], so the per-key scale, the maximum and exp run over contiguous rows (with the
+        # Gq = Hq / Hk axis innermost they cost several times more than the products).
         kb, vb = config.key_bits, config.value_bits
         qt = q.index_select(0, tile_row)  # [T, Hk, Gq, D]
         k_scale = tiles.k_row_scale.to(torch.float32)
@@ -171,9 +190,9 @@ def folded_decode_attention(
         m = m.scatter_reduce(0, tile_row[:, None, None].expand_as(t_max), t_max, "amax")
     # Where nothing is visible m is -inf: use 0 so exp gives 0 instead of NaN.
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e_fp = s_fp.sub_(m[..., None]).exp_()
-    l_sum = e_fp.sum(-1)  # [B, Hk, Gq]
-    acc = torch.matmul(e_fp, fv)  # [B, Hk, Gq, D]
+    w_fp = torch.exp(lse_fp - m)  # the fp part's sum of weights, relative to exp(m)
+    l_sum = w_fp
+    acc = o_fp.mul_(w_fp[..., None])  # [B, Hk, Gq, D]
     if has_tiles:
         e_t = s_t.sub_(m.index_select(0, tile_row)[..., None]).exp_()  # [T, Hk, Gq, G (plane order)]
         l_sum = l_sum.index_add(0, tile_row, e_t.sum(-1))
