@@ -180,7 +180,7 @@ def folded_decode_attention(
         kb, vb = config.key_bits, config.value_bits
         qt = q.index_select(0, tile_row)  # [T, Hk, Gq, D]
         k_scale = tiles.k_row_scale.to(torch.float32)
-        k_zero = tiles.k_row_zero.to(torch.float32) + (1 << (kb - 1)) * k_scale  # the centred codes' zero
+        k_zero = torch.add(tiles.k_row_zero.to(torch.float32), k_scale, alpha=1 << (kb - 1))  # the centred codes' zero
         k_codes = unpack_planes(tiles.k_codes, kb, workspace, "k")  # [T, Hk, G (plane order), D]
         s_t = torch.matmul(qt * k_scale[:, :, None, :], k_codes.transpose(-1, -2))  # [T, Hk, Gq, G]
         qz = torch.matmul(qt, k_zero[..., None])  # [T, Hk, Gq, 1]
@@ -188,8 +188,8 @@ def folded_decode_attention(
         s_t.add_(qz).mul_(rk[:, :, None, :])
         t_max = s_t.amax(-1)  # [T, Hk, Gq]
         m = m.scatter_reduce(0, tile_row[:, None, None].expand_as(t_max), t_max, "amax")
-    # Where nothing is visible m is -inf: use 0 so exp gives 0 instead of NaN.
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    # Where nothing is visible m is -inf: a finite floor makes exp give 0 instead of NaN.
+    m = m.clamp_min(torch.finfo(torch.float32).min)
     w_fp = torch.exp(lse_fp - m)  # the fp part's sum of weights, relative to exp(m)
     l_sum = w_fp
     acc = o_fp.mul_(w_fp[..., None])  # [B, Hk, Gq, D]
@@ -198,7 +198,7 @@ def folded_decode_attention(
         l_sum = l_sum.index_add(0, tile_row, e_t.sum(-1))
         p = natural_order(e_t, kb).contiguous()
         v_scale = tiles.v_row_scale.to(torch.float32)
-        v_zero = tiles.v_row_zero.to(torch.float32) + (1 << (vb - 1)) * v_scale
+        v_zero = torch.add(tiles.v_row_zero.to(torch.float32), v_scale, alpha=1 << (vb - 1))
         pz = torch.matmul(p, v_zero[..., None])  # [T, Hk, Gq, 1]
         v_codes = unpack_planes(tiles.v_codes, vb, workspace, "v")  # [T, Hk, D (plane order), G]
         o_t = torch.matmul(p.mul_(v_scale[:, :, None, :]), v_codes.transpose(-1, -2))  # [T, Hk, Gq, D]
