@@ -10,8 +10,8 @@ has two parts, both in the rotated frame (``k' = k @ H``):
   to the longest one.
 
 The full-precision part is one fused attention call (PyTorch's CPU flash attention, which also
-returns the log-sum-exp) in the dtype of the staged keys, as vLLM's own CPU backend computes it:
-its output and log-sum-exp merge into the softmax over the tiles below. The tiles are never
+returns the log-sum-exp) in the dtype of the staged keys, the dtype the vLLM backend's exact
+prefill attention runs in too: its output and log-sum-exp merge into the softmax over the tiles. The tiles are never
 dequantized. With the scales folded (docs/algorithm.md section 5, exact):
 
     s[g]  = rK[g] * ( sum_d (q'_d sK_d) codeK[d, g] + q' . zK )
@@ -126,6 +126,8 @@ def _fp_attention(q: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor,
     if fp_k.shape[2] == 0:
         return q.new_zeros(b, hk, gq, d), q.new_full((b, hk, gq), float("-inf"))
     bias = torch.zeros(fp_valid.shape, dtype=fp_k.dtype, device=q.device).masked_fill_(~fp_valid, float("-inf"))
+    # The aten op behind F.scaled_dot_product_attention on CPU: the public function does not return
+    # the log-sum-exp, which the merge with the tiles needs.
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.to(fp_k.dtype), fp_k, fp_v, 0.0, False, attn_mask=bias[:, None, None, :], scale=1.0)
     # A row that sees nothing comes back as output 0, log-sum-exp 0.
