@@ -9,28 +9,32 @@ has two parts, both in the rotated frame (``k' = k @ H``):
   :class:`~kvarn.codec.TileFields`) belongs to sequence ``tile_row[t]``, so no sequence is padded
   to the longest one.
 
-The tiles are never dequantized. With the scales folded (docs/algorithm.md section 5, exact):
+The full-precision part is one fused attention call (PyTorch's CPU flash attention, which also
+returns the log-sum-exp) in the dtype of the staged keys, the dtype the vLLM backend's exact
+prefill attention runs in too: its output and log-sum-exp merge into the softmax over the tiles. The tiles are never
+dequantized. With the scales folded (docs/algorithm.md section 5, exact):
 
     s[g]  = rK[g] * ( sum_d (q'_d sK_d) codeK[d, g] + q' . zK )
     o'[d] = sum over tiles of cV[d] * ( sum_g (p_g sV_g) codeV[g, d] + p . zV )
 
 so each tile costs two batched matrix products of its unpacked codes (small integers, exact in
-float32) against ``Gq`` columns, plus vectors of length G or D. The codes enter the products
-centred, ``code - c`` with ``c = (2^b - 1) / 2`` (exact halves; the zero becomes ``z + c s``): the two
-terms then no longer cancel where a row's range sits far from zero, which keeps the float32
-rounding of the sums at the size of the reference's. One softmax covers both parts:
-the maximum and the sum per (sequence, query head) are reduced over the tiles with
-``scatter_reduce`` / ``index_add`` on ``tile_row``.
+float32) against ``Gq`` rows, plus vectors of length G or D. The codes enter the products
+centred, ``code - c`` with ``c = 2^(b-1)`` (the zero becomes ``z + c s``): the two terms then no
+longer cancel where a row's range sits far from zero, which keeps the float32 rounding of the sums
+at the size of the reference's. One softmax covers both parts: the maximum and the sum per
+(sequence, query head) are reduced over the tiles with ``scatter_reduce`` / ``index_add`` on
+``tile_row``.
 
 Code order. The codes are unpacked by bit plane and used in that order, never interleaved back:
 bit plane ``i`` of the stored K bytes ``[G/P, D]`` holds the tokens ``{P t + i}``, so the scores of
 a tile come out in token order ``(i, t)``; ``rK`` is permuted to match and the probabilities are put
-back in natural order (a ``[T, Hk, G, Gq]`` tensor) for the V product. Bit plane ``j`` of the stored V
+back in natural order (a ``[T, Hk, Gq, G]`` tensor) for the V product. Bit plane ``j`` of the stored V
 bytes ``[D/P, G]`` holds the channels ``{P c + j}``: the tiles' outputs are summed in that channel
 order and put back once per sequence.
 
 Agrees with :func:`kvarn.attention.decode_attention` (the reference, which dequantizes every tile
-to float32) to float32 rounding; tests/test_folded.py checks it.
+to float32) to float32 rounding for float32 inputs, and to the rounding of the input dtype for
+16-bit fp keys; tests/test_folded.py checks both.
 """
 
 from __future__ import annotations
@@ -57,29 +61,34 @@ def scratch_buffer(workspace: dict | None, name: str, shape, dtype, device) -> t
     return buf
 
 
-def unpack_planes(codes: torch.Tensor, bits: int, center: float = 0.0, workspace: dict | None = None,
+def unpack_planes(codes: torch.Tensor, bits: int, workspace: dict | None = None,
                   name: str = "codes") -> torch.Tensor:
-    """Packed codes ``uint8 [..., R, C]`` -> float32 ``[..., P * R, C]`` (minus ``center``), bit plane
-    by bit plane.
+    """Packed codes ``uint8 [..., R, C]`` -> float32 ``[..., P * R, C]`` of ``code - 2^(b-1)``, bit
+    plane by bit plane.
 
     Row ``i * R + r`` of the result is bit plane ``i`` (bits ``i*b .. i*b + b - 1``) of byte row ``r``:
     the code that sits at index ``P r + i`` along the packed axis (docs/algorithm.md section 4).
+    The codes come out centred on ``2^(b-1)`` (integers in ``[-2^(b-1), 2^(b-1))``) at no cost:
+    flipping the top bit of every field turns its sign extension, two shifts of an int8, into
+    ``code - 2^(b-1)``, so no float pass subtracts the centre.
     ``workspace``: a dict of scratch buffers kept by the caller between calls of one shape (the
     result is one of them, valid until the next call with that workspace and ``name``).
     """
     per_byte = 8 // bits
     *lead, r, c = codes.shape
     out = scratch_buffer(workspace, name, (*lead, per_byte * r, c), torch.float32, codes.device)
+    top_bits = sum(1 << (bits * i + bits - 1) for i in range(per_byte))  # 0x80, 0x88 or 0xAA
     if per_byte == 1:
-        out.copy_(codes)
-    else:
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device).view(per_byte, 1, 1)
-        planes = scratch_buffer(workspace, name + "_planes", (*lead, per_byte, r, c), torch.uint8, codes.device)
-        torch.bitwise_right_shift(codes.unsqueeze(-3), shifts, out=planes).bitwise_and_((1 << bits) - 1)
-        # Codes below 2^7 read the same as int8, whose conversion to float is vectorized on CPU
-        # (uint8's is several times slower there).
-        out.copy_(planes.flatten(-3, -2).view(torch.int8))
-    return out.sub_(center) if center else out
+        return out.copy_(codes.bitwise_xor(top_bits).view(torch.int8))
+    flipped = scratch_buffer(workspace, name + "_bytes", codes.shape, torch.uint8, codes.device)
+    torch.bitwise_xor(codes, top_bits, out=flipped)
+    # Plane i moved to the top of the byte, then an arithmetic shift back down sign-extends it.
+    up = torch.arange(8 - bits, -1, -bits, dtype=torch.uint8, device=codes.device).view(per_byte, 1, 1)
+    planes = scratch_buffer(workspace, name + "_planes", (*lead, per_byte, r, c), torch.uint8, codes.device)
+    torch.bitwise_left_shift(flipped.unsqueeze(-3), up, out=planes)
+    signed = planes.view(torch.int8).bitwise_right_shift_(8 - bits)
+    # int8 to float32 is vectorized on CPU (uint8's is several times slower there).
+    return out.copy_(signed.flatten(-3, -2))
 
 
 def plane_order(x: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
@@ -105,6 +114,27 @@ def natural_order(x: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     return out.movedim(-1, dim)
 
 
+def _fp_attention(q: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor,
+                  fp_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled query ``q [B, Hk, Gq, D]`` (float32) over the fp keys, non-causal: the ``Gq`` query
+    heads of a KV head are its query rows, so K/V are never repeated per head.
+
+    Returns (output float32 ``[B, Hk, Gq, D]``, normalized; log-sum-exp ``[B, Hk, Gq]``, ``-inf``
+    where a sequence sees no fp key). In the dtype of ``fp_k``, read in place (no float32 copies).
+    """
+    b, hk, gq, d = q.shape
+    if fp_k.shape[2] == 0:
+        return q.new_zeros(b, hk, gq, d), q.new_full((b, hk, gq), float("-inf"))
+    bias = torch.zeros(fp_valid.shape, dtype=fp_k.dtype, device=q.device).masked_fill_(~fp_valid, float("-inf"))
+    # The aten op behind F.scaled_dot_product_attention on CPU: the public function does not return
+    # the log-sum-exp, which the merge with the tiles needs.
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.to(fp_k.dtype), fp_k, fp_v, 0.0, False, attn_mask=bias[:, None, None, :], scale=1.0)
+    # A row that sees nothing comes back as output 0, log-sum-exp 0.
+    lse = lse.masked_fill(~fp_valid.any(-1)[:, None, None], float("-inf"))
+    return out.to(torch.float32), lse
+
+
 def folded_decode_attention(
     query: torch.Tensor,
     fp_k: torch.Tensor,
@@ -119,14 +149,15 @@ def folded_decode_attention(
     """Attention of one query token per sequence over [fp keys | ragged packed tiles].
 
     query:    ``[B, Hq, D]`` un-rotated (after RoPE), any float dtype.
-    fp_k, fp_v: ``[B, Hk, L, D]`` rotated, any float dtype (``L`` may be 0).
+    fp_k, fp_v: ``[B, Hk, L, D]`` rotated, one float dtype, CPU tensors (``L`` may be 0); any strides
+        with a contiguous last axis (views of a token-major staging buffer are fine).
     fp_valid: bool ``[B, L]``: which fp positions a sequence sees.
     tiles:    :class:`TileFields` with leading dims ``[T, Hk]`` (views of records are fine), or None.
     tile_row: int64 ``[T]``: the sequence of each tile (any order), or None with ``tiles``.
     config:   the codec settings the tiles were written with (bits, G).
     scaling:  softmax scale, default ``1 / sqrt(D)``.
     workspace: optional dict the caller keeps between calls of the same shapes (every layer of a
-        step): the large intermediates are written into its buffers instead of fresh tensors, whose
+        step): the unpacked codes are written into its buffers instead of fresh tensors, whose
         page faults cost on CPU about as much as the passes themselves.
 
     Returns float32 ``[B, Hq, D]``, un-rotated. A sequence with no visible key gets 0.
@@ -139,53 +170,44 @@ def folded_decode_attention(
         raise ValueError("tiles and tile_row must be given together")
     gq = hq // hk
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
-    q = rotate(query, torch.float32).view(b, hk, gq, d)
+    q = (rotate(query, torch.float32) * scale).view(b, hk, gq, d)  # the softmax scale, once
 
-    # The fp part as one product per sequence over all heads, on float32 copies in token-major
-    # layout [B, L, Hk * D] (a paged cache's own order: no transposing copy), against a
-    # block-diagonal query [Hk * D, Hk * Gq]: the zero blocks add exact zeros.
-    fp_len = fp_k.shape[2]
-    fk = scratch_buffer(workspace, "fp_k", (b, fp_len, hk, d), torch.float32, q.device).copy_(fp_k.transpose(1, 2))
-    fv = scratch_buffer(workspace, "fp_v", (b, fp_len, hk, d), torch.float32, q.device).copy_(fp_v.transpose(1, 2))
-    q_blocks = q.new_zeros(b, hk, d, hk, gq)
-    torch.diagonal(q_blocks, dim1=1, dim2=3).copy_(q.permute(0, 3, 2, 1))  # [B, D, Gq, Hk] view
-    s_fp = fk.view(b, fp_len, hk * d) @ q_blocks.view(b, hk * d, hk * gq)  # [B, L, Hk * Gq]
-    s_fp = s_fp.view(b, fp_len, hk, gq).permute(0, 2, 3, 1) * scale  # [B, Hk, Gq, L]
-    s_fp = s_fp.masked_fill(~fp_valid[:, None, None, :], float("-inf"))
-    m = s_fp.amax(-1) if s_fp.shape[-1] else s_fp.new_full((b, hk, gq), float("-inf"))
+    o_fp, lse_fp = _fp_attention(q, fp_k, fp_v, fp_valid)
+    m = lse_fp  # the fp part's log-sum-exp starts the maximum
     has_tiles = tiles is not None and tile_row.numel() > 0
     if has_tiles:
+        # Every product keeps the long axis (keys, or channels of the output) innermost: the scores are
+        # [.., Gq, keys], so the per-key scale, the maximum and exp run over contiguous rows (with the
+        # Gq = Hq / Hk axis innermost they cost several times more than the products).
         kb, vb = config.key_bits, config.value_bits
-        kc, vc = ((1 << kb) - 1) / 2, ((1 << vb) - 1) / 2
         qt = q.index_select(0, tile_row)  # [T, Hk, Gq, D]
         k_scale = tiles.k_row_scale.to(torch.float32)
-        k_zero = tiles.k_row_zero.to(torch.float32) + kc * k_scale
-        k_codes = unpack_planes(tiles.k_codes, kb, kc, workspace, "k")  # [T, Hk, G (plane order), D]
-        raw = k_codes @ (qt * k_scale[:, :, None, :]).transpose(-1, -2)
-        qz = (qt * k_zero[:, :, None, :]).sum(-1)  # raw: [T, Hk, G (plane order), Gq]; qz: [T, Hk, Gq]
-        rk = plane_order(tiles.k_col_scale.to(torch.float32), kb) * scale  # [T, Hk, G]
-        s_t = (raw + qz[:, :, None, :]) * rk[..., None]
-        t_max = s_t.amax(2)  # [T, Hk, Gq]
+        k_zero = torch.add(tiles.k_row_zero.to(torch.float32), k_scale, alpha=1 << (kb - 1))  # the centred codes' zero
+        k_codes = unpack_planes(tiles.k_codes, kb, workspace, "k")  # [T, Hk, G (plane order), D]
+        s_t = torch.matmul(qt * k_scale[:, :, None, :], k_codes.transpose(-1, -2))  # [T, Hk, Gq, G]
+        qz = torch.matmul(qt, k_zero[..., None])  # [T, Hk, Gq, 1]
+        rk = plane_order(tiles.k_col_scale.to(torch.float32), kb)  # [T, Hk, G]
+        s_t.add_(qz).mul_(rk[:, :, None, :])
+        t_max = s_t.amax(-1)  # [T, Hk, Gq]
         m = m.scatter_reduce(0, tile_row[:, None, None].expand_as(t_max), t_max, "amax")
-    # Where nothing is visible m is -inf: use 0 so exp gives 0 instead of NaN.
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e_fp = torch.exp(s_fp - m[..., None])
-    l_sum = e_fp.sum(-1)  # [B, Hk, Gq]
-    acc = e_fp.reshape(b, hk * gq, fp_len) @ fv.view(b, fp_len, hk * d)  # [B, Hk * Gq, Hk * D]
-    acc = torch.diagonal(acc.view(b, hk, gq, hk, d), dim1=1, dim2=3).permute(0, 3, 1, 2)  # [B, Hk, Gq, D]
+    # Where nothing is visible m is -inf: a finite floor makes exp give 0 instead of NaN.
+    m = m.clamp_min(torch.finfo(torch.float32).min)
+    w_fp = torch.exp(lse_fp - m)  # the fp part's sum of weights, relative to exp(m)
+    l_sum = w_fp
+    acc = o_fp.mul_(w_fp[..., None])  # [B, Hk, Gq, D]
     if has_tiles:
-        e_t = torch.exp(s_t - m.index_select(0, tile_row)[:, :, None, :])  # [T, Hk, G, Gq]
-        l_sum = l_sum.index_add(0, tile_row, e_t.sum(2))
-        p = natural_order(e_t, kb, dim=2)
+        e_t = s_t.sub_(m.index_select(0, tile_row)[..., None]).exp_()  # [T, Hk, Gq, G (plane order)]
+        l_sum = l_sum.index_add(0, tile_row, e_t.sum(-1))
+        p = natural_order(e_t, kb).contiguous()
         v_scale = tiles.v_row_scale.to(torch.float32)
-        v_zero = tiles.v_row_zero.to(torch.float32) + vc * v_scale
-        pz = (p * v_zero[..., None]).sum(2)  # [T, Hk, Gq]
-        v_codes = unpack_planes(tiles.v_codes, vb, vc, workspace, "v")  # [T, Hk, D (plane order), G]
-        o_t = v_codes @ (p * v_scale[..., None])
+        v_zero = torch.add(tiles.v_row_zero.to(torch.float32), v_scale, alpha=1 << (vb - 1))
+        pz = torch.matmul(p, v_zero[..., None])  # [T, Hk, Gq, 1]
+        v_codes = unpack_planes(tiles.v_codes, vb, workspace, "v")  # [T, Hk, D (plane order), G]
+        o_t = torch.matmul(p.mul_(v_scale[:, :, None, :]), v_codes.transpose(-1, -2))  # [T, Hk, Gq, D]
         cv = plane_order(tiles.v_col_scale.to(torch.float32), vb)  # [T, Hk, D]
-        o_t = (o_t + pz[:, :, None, :]) * cv[..., None]
-        acc_t = o_t.new_zeros(b, hk, d, gq).index_add_(0, tile_row, o_t)
-        acc = acc + natural_order(acc_t, vb, dim=2).transpose(-1, -2)
+        o_t.add_(pz).mul_(cv[:, :, None, :])
+        acc_t = o_t.new_zeros(b, hk, gq, d).index_add_(0, tile_row, o_t)
+        acc = acc + natural_order(acc_t, vb)
     # The largest visible score contributes exp(0) = 1, so a sum below 1 means nothing is visible
     # (and then acc is 0): clamping gives the 0 output without a NaN.
     out = acc / l_sum.clamp_min(1.0)[..., None]

@@ -14,11 +14,13 @@ from kvarn.pack import pack_codes, unpack_codes
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_unpack_planes_and_orders(bits):
     g = torch.Generator().manual_seed(bits)
-    codes = torch.randint(0, 2**bits, (3, 16, 5), generator=g, dtype=torch.uint8)  # [.., n, C] natural
+    # [.., n, C] in natural order; every code 0 .. 2^b - 1 occurs
+    codes = (torch.randperm(3 * 16 * 8, generator=g) % 2**bits).to(torch.uint8).view(3, 16, 8)
     packed = pack_codes(codes.transpose(-1, -2), bits).transpose(-1, -2)  # packed along n: [.., n/P, C]
     planes = unpack_planes(packed, bits)
     assert planes.dtype == torch.float32
-    assert torch.equal(planes, plane_order(codes, bits, dim=1).float())
+    # centred on 2^(b-1) (a wrong sign extension shows on some code)
+    assert torch.equal(planes, plane_order(codes, bits, dim=1).float() - 2 ** (bits - 1))
     assert torch.equal(natural_order(plane_order(codes, bits, dim=1), bits, dim=1), codes)
     if bits < 8:
         assert not torch.equal(plane_order(codes, bits, dim=1), codes)
@@ -40,23 +42,34 @@ def _case(cfg, b, hk, hq, d, tiles_per_row, fp_lens, seed):
     return q, fk, fv, tiles, counts, lens
 
 
-def _dense_reference(q, fk, fv, tiles, counts, lens, cfg, scale):
-    """float64: every tile dequantized exactly (docs/algorithm.md section 3), then plain attention."""
+def _dense_reference(q, fk, fv, tiles, counts, lens, cfg, scale, dtype=torch.float64):
+    """Every tile dequantized exactly in float64 (docs/algorithm.md section 3), then plain attention
+    in ``dtype`` (float64: the reference; a 16-bit dtype: what torch gets in that dtype)."""
     f = tiles.map(lambda x: x.double() if x.is_floating_point() else x)
     kq = unpack_codes(f.k_codes.transpose(-1, -2), cfg.key_bits).double()  # [B, Hk, N, D, G]
     kd = (kq * f.k_row_scale[..., None] + f.k_row_zero[..., None]) * f.k_col_scale[..., None, :]
     vq = unpack_codes(f.v_codes.transpose(-1, -2), cfg.value_bits).double()  # [B, Hk, N, G, D]
     vd = (vq * f.v_row_scale[..., None] + f.v_row_zero[..., None]) * f.v_col_scale[..., None, :]
     b, hk, n, d, g = kd.shape
-    keys = torch.cat([kd.transpose(-1, -2).reshape(b, hk, n * g, d), fk.double()], 2)
-    values = torch.cat([vd.reshape(b, hk, n * g, d), fv.double()], 2)
+    keys = torch.cat([kd.transpose(-1, -2).reshape(b, hk, n * g, d), fk.double()], 2).to(dtype)
+    values = torch.cat([vd.reshape(b, hk, n * g, d), fv.double()], 2).to(dtype)
     valid = torch.cat([torch.arange(n * g)[None, :] // g < counts[:, None],
                        torch.arange(fk.shape[2])[None, :] < lens[:, None]], 1)
     group = q.shape[1] // hk
-    qr = rotate(q[:, :, 0].double(), torch.float64)
+    qr = rotate(q[:, :, 0].to(dtype), dtype)
     s = torch.einsum("bhd,bhld->bhl", qr, keys.repeat_interleave(group, 1)) * scale
     p = torch.softmax(s.masked_fill(~valid[:, None], float("-inf")), -1)
-    return rotate(torch.einsum("bhl,bhld->bhd", p, values.repeat_interleave(group, 1)), torch.float64)
+    return rotate(torch.einsum("bhl,bhld->bhd", p, values.repeat_interleave(group, 1)), dtype).double()
+
+
+def _ragged(tiles, counts, seed=1):
+    """[B, Hk, N] tiles -> the T tiles the counts keep, rows of several sequences mixed, and their rows."""
+    b = counts.numel()
+    rows = torch.repeat_interleave(torch.arange(b), counts)
+    cols = torch.cat([torch.arange(int(c)) for c in counts])
+    ragged = tiles.map(lambda x: x[rows, :, cols])  # [T, Hk, ...]
+    perm = torch.randperm(rows.numel(), generator=torch.Generator().manual_seed(seed))  # order is free
+    return ragged.map(lambda x: x[perm]), rows[perm]
 
 
 @pytest.mark.parametrize("name", ["k4v2_g128", "k2v2_g64", "k4v4_g64"])
@@ -68,11 +81,7 @@ def test_matches_reference_decode(name, d):
     twin = decode_attention(q, None, None, tiles, fk, fv, cfg, 0.3, tile_counts=counts, tail_lengths=lens,
                             causal=False)[:, :, 0]
     ref = _dense_reference(q, fk, fv, tiles, counts, lens, cfg, 0.3)
-    rows = torch.repeat_interleave(torch.arange(b), counts)
-    cols = torch.cat([torch.arange(int(c)) for c in counts])
-    ragged = tiles.map(lambda x: x[rows, :, cols])  # [T, Hk, ...], rows of several sequences mixed
-    perm = torch.randperm(rows.numel(), generator=torch.Generator().manual_seed(1))  # order is free
-    ragged, rows = ragged.map(lambda x: x[perm]), rows[perm]
+    ragged, rows = _ragged(tiles, counts)
     valid = torch.arange(fk.shape[2])[None, :] < lens[:, None]
     out = folded_decode_attention(q[:, :, 0], fk, fv, valid, ragged, rows, cfg, 0.3)
     # Both float32: the reference's own tolerance against float64 (tests/test_attention.py), and
@@ -83,6 +92,28 @@ def test_matches_reference_decode(name, d):
     # a wrong tile owner changes the result
     bad = folded_decode_attention(q[:, :, 0], fk, fv, valid, ragged, rows.flip(0), cfg, 0.3)
     assert (bad.double() - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_fp_keys_within_the_dtype_rounding(dtype):
+    """A bf16/fp16 engine stages its fp sink and tail in that dtype, and the fp part runs in it.
+    Bound: twice the rounding of the exact output to that dtype (stricter than STYLE.md's twice
+    torch's own error in the dtype: softmax attention in bf16 errs far more)."""
+    cfg = KVarNConfig.from_name("k4v2_g128")
+    b, hk, hq, d = 4, 2, 6, 64
+    q, fk, fv, tiles, counts, lens = _case(cfg, b, hk, hq, d, [3, 0, 1, 2], [5, 1, cfg.tile, 17], seed=3)
+    q, fk, fv = q.to(dtype), fk.to(dtype), fv.to(dtype)
+    ref = _dense_reference(q, fk, fv, tiles, counts, lens, cfg, 0.3)
+    rounding = (ref.to(dtype).double() - ref).abs().max()
+    assert rounding <= (_dense_reference(q, fk, fv, tiles, counts, lens, cfg, 0.3, dtype) - ref).abs().max()
+    ragged, rows = _ragged(tiles, counts)
+    valid = torch.arange(fk.shape[2])[None, :] < lens[:, None]
+    out = folded_decode_attention(q[:, :, 0], fk, fv, valid, ragged, rows, cfg, 0.3)
+    assert out.dtype == torch.float32
+    assert (out.double() - ref).abs().max() <= 2 * rounding + 1e-5
+    # the mask matters: seeing every staged position changes the result by far more
+    wrong = folded_decode_attention(q[:, :, 0], fk, fv, torch.ones_like(valid), ragged, rows, cfg, 0.3)
+    assert (wrong.double() - ref).abs().max() > 100 * rounding
 
 
 def test_fp_only_and_nothing_visible():

@@ -7,7 +7,7 @@ from kvarn.codec import FIELD_ORDER, fields_to_records, record_field_views
 from kvarn.config import PRESETS
 from kvarn.integrations.vllm.settings import is_requested, kv_cache_dtype_names, settings_from_vllm_config
 from kvarn.codec import rotate_kv
-from kvarn.integrations.vllm.plan import build_plan, decode_groups, prefill_groups
+from kvarn.integrations.vllm.plan import build_plan, commit_chunks, decode_groups, prefill_groups
 from kvarn.integrations.vllm.staging import StagingIndex, encode_records, staging_bytes, staging_slots
 from kvarn.methods import TileCodec
 
@@ -149,3 +149,15 @@ def test_pool_exhaustion_is_an_error_not_an_overwrite():
     index = StagingIndex(slots=2)
     with pytest.raises(RuntimeError, match="staging_slots"):
         _step(index, [(0, 300, True, [1, 2, 3])])
+
+
+@pytest.mark.parametrize("layers, blocks, per_call", [(30, 1, 21), (30, 5, 21), (30, 74, 21), (4, 21, 21), (3, 0, 8)])
+def test_commit_chunks_cover_every_tile_once_in_bounded_calls(layers, blocks, per_call):
+    calls = commit_chunks(layers, blocks, per_call)
+    seen = [(i, b) for pieces in calls for i, b0, b1 in pieces for b in range(b0, b1)]
+    assert sorted(seen) == [(i, b) for i in range(layers) for b in range(blocks)]
+    assert all(sum(b1 - b0 for _, b0, b1 in pieces) <= per_call for pieces in calls)
+    # as few calls as whole layers (or pieces of one) allow
+    per_layer = -(-blocks // per_call)
+    expected = layers * per_layer if blocks > per_call else (-(-layers // (per_call // blocks)) if blocks else 0)
+    assert len(calls) == expected

@@ -147,6 +147,22 @@ def prefill_groups(key_blocks: list[int], max_calls: int = MAX_CALLS) -> list[tu
     return split_sorted(key_blocks, lambda rows, kb: rows * kb * kb + PREFILL_CALL_COST, max_calls)
 
 
+def commit_chunks(num_layers: int, blocks: int, per_call: int) -> list[list[tuple[int, int, int]]]:
+    """The (layer, first block, stop block) pieces of a group commit, one list per encode call.
+
+    Every layer's ``blocks`` tiles are encoded once; a call holds at most ``per_call`` tiles (at
+    least one whole layer's when that is fewer): whole layers are grouped while they fit, and a
+    layer with more tiles than that is split.
+    """
+    if blocks == 0:
+        return []
+    if blocks <= per_call:
+        per = per_call // blocks
+        return [[(i, 0, blocks) for i in range(first, min(first + per, num_layers))]
+                for first in range(0, num_layers, per)]
+    return [[(i, b0, min(b0 + per_call, blocks))] for i in range(num_layers) for b0 in range(0, blocks, per_call)]
+
+
 def build_plan(index: StagingIndex, tile: int, sink_tokens: int, query_start_loc: torch.Tensor,
                seq_lens: torch.Tensor, block_table: torch.Tensor, prefilling: torch.Tensor,
                slot_mapping: torch.Tensor, num_actual_tokens: int, num_layers: int) -> StepPlan:
