@@ -144,7 +144,9 @@ class FusedKVarNLayer(KVarNLayer):
             self._flush_device()
         else:
             moved = sum(self.sink_len) + sum(self.store.counts)
-            super().freeze()  # host plan (the next freeze in the MRO: this one syncs below): rows at different lengths, or the sink still filling
+            # The host plan (rows at different lengths, or the sink still filling): the next freeze in
+            # the MRO (kvarn-auto's, then KVarNLayer's); this one syncs the device lengths below.
+            super().freeze()
             if sum(self.sink_len) + sum(self.store.counts) != moved:  # a freeze only ever moves tail tokens
                 self._sync_lengths()
         self._ensure_tail(max(self.tail_len) + q)

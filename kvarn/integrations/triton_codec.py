@@ -66,7 +66,7 @@ class TritonTileCodec(TileCodec):
             norm = tuple(x[:, :, None].expand(b, h, n) for x in (flavours.key_normalize, flavours.value_normalize))
         k = k.reshape(b, h, n, c.tile, d).transpose(-1, -2)
         v = v.reshape(b, h, n, c.tile, d)
-        tiles = kernels.encode_tiles(k, v, c) if norm is None else kernels.encode_tiles(k, v, c, normalize=norm)
+        tiles = kernels.encode_tiles(k, v, c, normalize=norm)
         if self._defer or (k.is_cuda and torch.cuda.is_current_stream_capturing()):
             bad = nonfinite_scales(tiles)
             self._bad = bad if self._bad is None else self._bad | bad

@@ -8,9 +8,9 @@ program of a (sequence, head) to finish (an atomic counter) merges them and un-r
 rotations of the query (every program) and of the merged output are done in registers
 (:func:`decode_blocks.hadamard_rows`: two 16-wide MMAs over the Kronecker factors of H), so no
 program reads H and the merge makes no round trip through memory for it: at batch 1 the merge
-is the serial tail of the launch. A tile's fields are loaded together (:func:`decode_blocks.tile_load`); with ``num_stages`` >= 2
-Triton's pipeline copies tile n+1's fields to shared memory while tile n is computed, so the loop
-does not wait on memory. :func:`launch_plan` picks warps, register cap, stages and waves.
+is the serial tail of the launch. A tile's fields are loaded together
+(:func:`decode_blocks.tile_load`); with ``num_stages`` >= 2 Triton's pipeline copies tile n+1's
+fields to shared memory while tile n is computed, so the loop does not wait on memory. :func:`launch_plan` picks warps, register cap, stages and waves.
 
 Orientation: both products are transposed, so the packed codes are the left (register) operand
 and the small side is the query rows. With the scales folded (spec section 5):

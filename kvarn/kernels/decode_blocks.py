@@ -1,8 +1,8 @@
 """Triton building blocks of the fused decode kernel (:mod:`kvarn.kernels.decode`).
 
-Code planes, the split-precision product, the Hadamard rotation of a few rows (in registers), the online softmax
-steps over a quantized tile and over a block of full-precision tokens (sink and tail), and the merge
-of the splits' partial results.
+Code planes, the split-precision product, the Hadamard rotation of a few rows (in registers), the
+online softmax steps over a quantized tile and over a block of full-precision tokens (sink and
+tail), and the merge of the splits' partial results.
 """
 
 import triton

@@ -202,7 +202,7 @@ def encode_tiles(
             raise ValueError(f"normalize must be (key_normalize, value_normalize), bool tensors of shape {lead}")
         norm = torch.stack([x.reshape(-1) for x in normalize], dim=1).to(device=k_tiles.device, dtype=torch.int8)
     else:
-        norm = torch.zeros(1, dtype=torch.int8, device=k_tiles.device)  # not read
+        norm = k_tiles  # a placeholder, never read (HAS_NORM is False): no allocation and fill per flush
     kt, vt = _flat_tiles(k_tiles, lead), _flat_tiles(v_tiles, lead)
 
     def strides(name, inner):

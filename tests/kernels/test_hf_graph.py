@@ -199,7 +199,8 @@ def test_host_free_flush_defers_the_scale_check(monkeypatch):
     from kvarn.codec import encode_tiles as torch_encode_tiles
     from kvarn.config import KVarNConfig
 
-    def overflowing(k, v, c):  # stands in for the Triton flush, which has no guard of its own
+    def overflowing(k, v, c, normalize=None):  # stands in for the Triton flush, which has no guard of its own
+        assert normalize is None  # the spec's kvarn: every tile normalized
         tiles = torch_encode_tiles(k, v, c)
         tiles.k_row_scale[..., 3] = float("inf")
         return tiles
