@@ -50,7 +50,7 @@ import triton.language as tl
 from ..attention import check_decode_inputs, head_flags
 from ..codec import FIELD_ORDER, TileFields
 from ..config import KVarNConfig
-from .decode_blocks import fp_block, hadamard_rows, hilo, merge_splits, tile_load, tile_step
+from .decode_blocks import fp_block, hadamard_rows, hilo, merge_range, store_output, store_partial, tile_load, tile_step
 from .layout import check_device, empty_fields, interpreting, lead_strides
 
 LOG2E = 1.4426950408889634
@@ -59,6 +59,7 @@ PROGRAMS_PER_SM = 8  # resident programs per multiprocessor (1 warp at ~250 regi
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
 WIDE_BATCH = 64  # (sequence, KV head) pairs from which one-warp programs fill the machine
+MERGE_GROUP = tl.constexpr(8)  # splits merged by the first level of the merge tree
 
 
 def launch_plan(batch_heads: int, d: int, m: int) -> tuple[int, int | None, int, int]:
@@ -90,7 +91,7 @@ def _decode_attention_kernel(
     vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
     vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
     n_len_ptr, krot_ptr, vrot_ptr,
-    o_ptr, o_sb, o_sh, o_st, pacc_ptr, pml_ptr, count_ptr,
+    o_ptr, o_sb, o_sh, o_st, pacc_ptr, pml_ptr, gacc_ptr, gml_ptr, count_ptr,
     HK, qk_scale, inv_sqrt_d, TILES_PER_SPLIT, FP_SPLITS, NS, NT_CAP,
     D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     GROUP: tl.constexpr, TQ: tl.constexpr, M: tl.constexpr,
@@ -176,26 +177,48 @@ def _decode_attention_kernel(
     tl.store(pml_ptr + (pbase + rows) * 2, m_i)
     tl.store(pml_ptr + (pbase + rows) * 2 + 1, l_i)
 
+    base = bh.to(tl.int64) * NS
     if SINGLE:  # this program's own stores: a CTA barrier makes them visible to all its threads
         tl.debug_barrier()
-        merge_splits(pacc_ptr, pml_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS, FP_SPLITS, v_rot * FP_ROT, v_rot,
-               inv_sqrt_d, rows, row_ok, qi, qh, D, M, "")
+        m_t, l_t, acc = merge_range(pacc_ptr, pml_ptr, base, 0, NS, FP_SPLITS, v_rot * FP_ROT, v_rot,
+                                    inv_sqrt_d, rows, D, M, "")
+        store_output(o_ptr, o_sb, o_sh, o_st, b64, l_t, acc, row_ok, qi, qh, D)
     else:
-        # All threads' stores are done (barrier) before the release; the acquire makes the other
-        # programs' partials visible to the last one, which reads them past L1 (.cg).
+        # A two-level tree: the last program of each group of MERGE_GROUP splits to finish (an
+        # atomic counter per group) merges the group; the last group merges the groups' results.
+        # All threads' stores are done (barrier) before each release; the acquire makes the other
+        # programs' stores visible to the merging one, which reads them past L1 (.cg).
+        ng = tl.cdiv(NS, MERGE_GROUP)
+        grp = sp // MERGE_GROUP
+        lo = grp * MERGE_GROUP
+        hi = tl.minimum(lo + MERGE_GROUP, NS)
+        cbase = bh * (1 + ng)
         tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
-        if done == NS - 1:
-            tl.store(count_ptr + bh, 0)  # ready for the next launch
-            merge_splits(pacc_ptr, pml_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS, FP_SPLITS, v_rot * FP_ROT,
-                   v_rot, inv_sqrt_d, rows, row_ok, qi, qh, D, M, ".cg")
+        done = tl.atomic_add(count_ptr + cbase + 1 + grp, 1, sem="acq_rel")
+        if done == hi - lo - 1:
+            tl.store(count_ptr + cbase + 1 + grp, 0)  # ready for the next launch
+            m_t, l_t, acc = merge_range(pacc_ptr, pml_ptr, base, lo, hi, FP_SPLITS, v_rot * FP_ROT, v_rot,
+                                        inv_sqrt_d, rows, D, M, ".cg")
+            if ng == 1:
+                store_output(o_ptr, o_sb, o_sh, o_st, b64, l_t, acc, row_ok, qi, qh, D)
+            else:
+                store_partial(gacc_ptr, gml_ptr, bh.to(tl.int64) * ng + grp, m_t, l_t, acc, rows, D)
+                tl.debug_barrier()
+                done = tl.atomic_add(count_ptr + cbase, 1, sem="acq_rel")
+                if done == ng - 1:
+                    tl.store(count_ptr + cbase, 0)
+                    # The groups' results are in the model frame already: nothing to un-rotate.
+                    m_t, l_t, acc = merge_range(gacc_ptr, gml_ptr, bh.to(tl.int64) * ng, 0, ng, 0, 0, 0,
+                                                inv_sqrt_d, rows, D, M, ".cg")
+                    store_output(o_ptr, o_sb, o_sh, o_st, b64, l_t, acc, row_ok, qi, qh, D)
 
 
 _COUNTERS: dict = {}
 
 
 def _counters(n: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, head); each launch leaves them zero again."""
+    """Zeroed int32 counters (per (sequence, head): one per merge group and one for the groups); each
+    launch leaves them zero again."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -327,7 +350,10 @@ def decode_attention(
     out = torch.empty_like(query)
     pacc = torch.empty(b * hk * ns * m * d, dtype=torch.float32, device=dev)
     pml = torch.empty(b * hk * ns * m * 2, dtype=torch.float32, device=dev)
-    counts = _counters(b * hk, dev)
+    groups = -(-ns // MERGE_GROUP.value)
+    gacc = torch.empty(b * hk * groups * m * d, dtype=torch.float32, device=dev)
+    gml = torch.empty(b * hk * groups * m * 2, dtype=torch.float32, device=dev)
+    counts = _counters(b * hk * (1 + groups), dev)
     flags = krot if krot is not None else counts
     opts = {} if interpreting() or regs is None else {"maxnreg": int(regs)}
     _decode_attention_kernel[(b * hk, ns)](
@@ -335,7 +361,7 @@ def decode_attention(
         sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), _lengths(sink_lengths, query, dev), s_cap,
         tk, tv, tk.stride(0), tk.stride(1), tk.stride(2), _lengths(tail_lengths, query, dev), r_cap,
         *tile_args, _lengths(tile_counts, query, dev), flags, vrot if vrot is not None else counts,
-        out, out.stride(0), out.stride(1), out.stride(2), pacc, pml, counts,
+        out, out.stride(0), out.stride(1), out.stride(2), pacc, pml, gacc, gml, counts,
         hk, scale, 1.0 / math.sqrt(d), per_split, fps, ns, n_cap,
         D=d, G=config.tile, KB=config.key_bits, VB=config.value_bits,
         GROUP=group, TQ=tq, M=m, CAUSAL=causal, FP_ROTATED=fp_frame == "rotated", FLAGS=krot is not None,

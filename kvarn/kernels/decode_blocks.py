@@ -226,43 +226,57 @@ def tile_step(
 
 
 @triton.jit
-def merge_splits(pacc_ptr, pml_ptr, o_ptr, o_sb, o_sh, o_st, bh, b64, NS, FP_SPLITS, fp_out_rot,
-           v_rot, inv_sqrt_d, rows, row_ok, qi, qh, D: tl.constexpr, M: tl.constexpr, CACHE: tl.constexpr):
-    """Merge the NS partials of one (sequence, head): rotated-frame ones are un-rotated together."""
-    SB: tl.constexpr = 8  # partials summed per step
-    SM: tl.constexpr = 64  # maxima read per step (one step up to 64 splits)
-    # The merge runs in one program after all others, a chain of memory round trips: the maxima
-    # are read in one wide load.
+def merge_range(pacc_ptr, pml_ptr, base, s_lo, s_hi, FP_SPLITS, fp_out_rot, v_rot, inv_sqrt_d, rows,
+                D: tl.constexpr, M: tl.constexpr, CACHE: tl.constexpr):
+    """Merge partials ``s_lo .. s_hi - 1`` (slots ``base + s``) into one ``(m, l, acc)`` in the model
+    frame: the rotated-frame ones (``s < FP_SPLITS``: ``fp_out_rot``, else ``v_rot``) are summed
+    apart and un-rotated once, in registers.
+
+    One pass, online (a running maximum rescales the sums), so each step's loads are issued at
+    once and no step waits for a pass over the maxima: the merge runs after the programs it merges
+    and is a chain of memory round trips.
+    """
+    SB: tl.constexpr = 8  # partials per step
     d = tl.arange(0, D)
     s_off = tl.arange(0, SB)
-    base = bh.to(tl.int64) * NS
-    m_tot = tl.full([M], float("-inf"), tl.float32)
-    for s0 in range(0, NS, SM):
-        s_idx = s0 + tl.arange(0, SM)
-        ml = tl.load(pml_ptr + ((base + s_idx[:, None]) * M + rows[None, :]) * 2,
-                     mask=(s_idx < NS)[:, None], other=float("-inf"), cache_modifier=CACHE)
-        m_tot = tl.maximum(m_tot, tl.max(ml, axis=0))
-    m_safe = tl.where(m_tot == float("-inf"), 0.0, m_tot)
-    l_tot = tl.zeros([M], tl.float32)
+    m_run = tl.full([M], float("-inf"), tl.float32)
+    l_run = tl.zeros([M], tl.float32)
     acc_rot = tl.zeros([M, D], tl.float32)
     acc_model = tl.zeros([M, D], tl.float32)
-    for s0 in range(0, NS, SB):
+    for s0 in range(s_lo, s_hi, SB):
         s_idx = s0 + s_off
-        ok = s_idx < NS
+        ok = s_idx < s_hi
         off = (base + s_idx[:, None]) * M + rows[None, :]  # [SB, M]
         m_s = tl.load(pml_ptr + off * 2, mask=ok[:, None], other=float("-inf"), cache_modifier=CACHE)
         l_s = tl.load(pml_ptr + off * 2 + 1, mask=ok[:, None], other=0.0, cache_modifier=CACHE)
         a_s = tl.load(pacc_ptr + off[:, :, None] * D + d[None, None, :], mask=ok[:, None, None], other=0.0,
                       cache_modifier=CACHE)
+        m_new = tl.maximum(m_run, tl.max(m_s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_safe)  # 0 while nothing was seen (m_run = -inf)
         w = tl.exp2(m_s - m_safe[None, :])  # [SB, M]
-        l_tot += tl.sum(w * l_s, axis=0)
-        is_fp = s_idx < FP_SPLITS
-        rot = tl.where(is_fp, fp_out_rot, v_rot) != 0  # [SB]: partial in the rotated frame
+        l_run = l_run * alpha + tl.sum(w * l_s, axis=0)
+        rot = tl.where(s_idx < FP_SPLITS, fp_out_rot, v_rot) != 0  # [SB]: partial in the rotated frame
         wa = w[:, :, None] * a_s
-        acc_rot += tl.sum(tl.where(rot[:, None, None], wa, 0.0), axis=0)
-        acc_model += tl.sum(tl.where(rot[:, None, None], 0.0, wa), axis=0)
-    o = hadamard_rows(acc_rot, D) * inv_sqrt_d + acc_model
-    inv_l = tl.where(l_tot > 0, 1.0 / l_tot, 0.0)
-    o = o * inv_l[:, None]
+        acc_rot = acc_rot * alpha[:, None] + tl.sum(tl.where(rot[:, None, None], wa, 0.0), axis=0)
+        acc_model = acc_model * alpha[:, None] + tl.sum(tl.where(rot[:, None, None], 0.0, wa), axis=0)
+        m_run = m_new
+    return m_run, l_run, hadamard_rows(acc_rot, D) * inv_sqrt_d + acc_model
+
+
+@triton.jit
+def store_partial(pacc_ptr, pml_ptr, slot, m, l, acc, rows, D: tl.constexpr):
+    """``(m, l, acc)`` of the ``M`` query rows at partial slot ``slot`` (channels in natural order)."""
+    off = slot * acc.shape[0] + rows
+    tl.store(pacc_ptr + off[:, None] * D + tl.arange(0, D)[None, :], acc)
+    tl.store(pml_ptr + off * 2, m)
+    tl.store(pml_ptr + off * 2 + 1, l)
+
+
+@triton.jit
+def store_output(o_ptr, o_sb, o_sh, o_st, b64, l, acc, row_ok, qi, qh, D: tl.constexpr):
+    """The attention output ``acc / l`` of the query rows (0 where a row saw no key)."""
+    inv_l = tl.where(l > 0, 1.0 / l, 0.0)
+    d = tl.arange(0, D)
     tl.store(o_ptr + b64 * o_sb + qh[:, None].to(tl.int64) * o_sh + qi[:, None] * o_st + d[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+             (acc * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
