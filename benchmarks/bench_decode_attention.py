@@ -45,6 +45,11 @@ SWEEP = {
     "w1_s2_r168": {"num_warps": 1, "num_stages": 2, "max_registers": 168},
     "w1_s2_r192": {"num_warps": 1, "num_stages": 2, "max_registers": 192},
     "w1_s2_x0.5": {"num_warps": 1, "num_stages": 2, "splits": 0.5},
+    "w1_s2_x2": {"num_warps": 1, "num_stages": 2, "splits": 2},
+    "w2_s3_r168_x0.5": {"num_warps": 2, "num_stages": 3, "max_registers": 168, "splits": 0.5},
+    "w2_s3_r168_x1.5": {"num_warps": 2, "num_stages": 3, "max_registers": 168, "splits": 1.5},
+    "w2_s3_r168_x2": {"num_warps": 2, "num_stages": 3, "max_registers": 168, "splits": 2},
+    "w2_s3_r168_x3": {"num_warps": 2, "num_stages": 3, "max_registers": 168, "splits": 3},
 }
 
 

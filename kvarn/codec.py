@@ -73,15 +73,18 @@ FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
 FP16_TINY = float(torch.finfo(torch.float16).tiny)  # 2^-14, the smallest normal fp16
 
 
-def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float):
+def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float, normalized=None):
     """x: ``[..., R, C]`` float32 tiles -> (packed codes, row scale, row zero, col scale), fp16 fields.
+
+    ``normalized``: ``(y, col_scale, row_scale)`` of x at a given iterate instead of the best one
+    (the kernels' tests: an iterate the Triton encoder kept on a tie up to fp32 rounding).
 
     Guard rails on the fp16 scales (docs/algorithm.md, "Numerical range"): a tile whose scales
     would overflow fp16 raises ValueError; a tile whose every row scale and zero is below fp16's
     smallest normal number is stored as a zero tile (all fields 0, column scales 0 as its flag).
     Other tiles are encoded exactly as docs/algorithm.md sections 2-3 say.
     """
-    y, col_scale, row_scale = variance_normalize(x, iters)
+    y, col_scale, row_scale = variance_normalize(x, iters) if normalized is None else normalized
     codes, step, lo = rtn_rows(y, bits, quantile)
     scale32, zero32 = row_scale * step, row_scale * lo
     scale, zero, col = scale32.to(torch.float16), zero32.to(torch.float16), col_scale.to(torch.float16)

@@ -75,6 +75,28 @@ class _Workspace:
         return _ustd_(y64, -2), rs
 
 
+def normalize_iterates(x: torch.Tensor, iters: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every iterate of the normalization: ``(a [..., iters + 1, C], b [..., iters + 1, R],
+    score [..., iters + 1])``, the identity first (log-scales ``a`` of the columns, ``b`` of the rows,
+    module docstring). The kernels' tests use it to show that a tile where the Triton encoder kept
+    another iterate is a tie up to fp32 rounding."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"variance_normalize expects float32 tiles, got {x.dtype}")
+    a = x.new_zeros(*x.shape[:-2], x.shape[-1])
+    b = x.new_zeros(*x.shape[:-2], x.shape[-2])
+    ws = _Workspace(x)
+    cs, rs = ws.both_std(x)  # of the current tile
+    out_a, out_b, out_m = [a], [b], [_score(cs, rs)]
+    for _ in range(iters):
+        a = (a + torch.log(cs.clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
+        b = (b + torch.log(ws.row_std(ws.apply(x, a, b)).clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
+        cs, rs = ws.both_std(ws.apply(x, a, b))
+        out_a.append(a)
+        out_b.append(b)
+        out_m.append(_score(cs, rs))
+    return torch.stack(out_a, -2), torch.stack(out_b, -2), torch.stack(out_m, -1)
+
+
 def variance_normalize(
     x: torch.Tensor, iters: int = 8
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,22 +105,11 @@ def variance_normalize(
     x: ``[..., R, C]`` float32. Returns ``(y_bal [..., R, C], col_scale [..., C], row_scale [..., R])``
     with ``y_bal = x / (row_scale[..., :, None] * col_scale[..., None, :])``, best iterate per tile.
     """
-    if x.dtype != torch.float32:
-        raise TypeError(f"variance_normalize expects float32 tiles, got {x.dtype}")
-    batch = x.shape[:-2]
-    a = x.new_zeros(*batch, x.shape[-1])
-    b = x.new_zeros(*batch, x.shape[-2])
-    ws = _Workspace(x)
-    cs, rs = ws.both_std(x)  # of the current tile
-    best = _score(cs, rs)
-    best_a, best_b = a.clone(), b.clone()
-    for _ in range(iters):
-        a = (a + torch.log(cs.clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
-        b = (b + torch.log(ws.row_std(ws.apply(x, a, b)).clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
-        cs, rs = ws.both_std(ws.apply(x, a, b))
-        m = _score(cs, rs)
-        take = m <= best  # ties go to the later iterate
-        best = torch.where(take, m, best)
-        best_a = torch.where(take[..., None], a, best_a)
-        best_b = torch.where(take[..., None], b, best_b)
+    a, b, m = normalize_iterates(x, iters)
+    best, best_a, best_b = m[..., 0], a[..., 0, :], b[..., 0, :]
+    for i in range(1, iters + 1):
+        take = m[..., i] <= best  # ties go to the later iterate
+        best = torch.where(take, m[..., i], best)
+        best_a = torch.where(take[..., None], a[..., i, :], best_a)
+        best_b = torch.where(take[..., None], b[..., i, :], best_b)
     return _apply(x, best_a, best_b), torch.exp(best_a), torch.exp(best_b)

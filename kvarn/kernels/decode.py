@@ -56,8 +56,8 @@ from .layout import check_device, empty_fields, interpreting, lead_strides
 LOG2E = 1.4426950408889634
 BLOCK_N = tl.constexpr(32)  # full-precision tokens per step
 PROGRAMS_PER_SM = 8  # resident programs per multiprocessor (1 warp at ~250 registers, 2 at 128)
-MIN_TILES_PER_SPLIT = 4
-MAX_SPLITS = 64
+MIN_TILES_PER_SPLIT = 2
+MAX_SPLITS = 128
 WIDE_BATCH = 64  # (sequence, KV head) pairs from which one-warp programs fill the machine
 MERGE_GROUP = tl.constexpr(8)  # splits merged by the first level of the merge tree
 
@@ -66,19 +66,19 @@ def launch_plan(batch_heads: int, d: int, m: int) -> tuple[int, int | None, int,
     """(num_warps, register cap, num_stages, waves) by default, from the H200 sweep
     (``bench_decode_attention.py --sweep``, BENCHMARKS.md).
 
-    Many (sequence, head) pairs and D <= 128: one warp per program, uncapped (about 250 registers,
-    no spills, no cross-warp barriers), one wave. Few pairs (batch 1): two warps at 168 registers
-    with a 3-stage pipeline, two waves, so more programs share the work. D 256, or 8 query rows per
-    KV head (swept at 4 only): two warps uncapped (no spills; one warp would spill at 8 rows, as
-    ptxas reports). More than 8 query rows: four warps.
+    D <= 128 and up to 4 query rows per KV head: one warp per program, uncapped (about 250
+    registers, no spills, no cross-warp barriers); one wave at many (sequence, head) pairs, two
+    waves of splits below that (batch 1), where the merge tree keeps the many short splits cheap
+    (B 1 / 16K: 17.7 µs against 19.4 µs for two warps at 168 registers with half the splits).
+    D 256, or 8 query rows per KV head (swept at 4 only): two warps uncapped (no spills; one warp
+    would spill at 8 rows, as ptxas reports). More than 8 query rows: four warps.
     """
     if m > 8:
         return 4, None, 2, 2
     if d > 128 or m > 4:
         return 2, None, 2, 2
-    if batch_heads >= WIDE_BATCH:
-        return 1, None, 2, 1
-    return 2, 168, 3, 2
+    waves = 1 if batch_heads >= WIDE_BATCH else 2
+    return 1, None, 2, waves
 
 
 @triton.jit
@@ -238,11 +238,11 @@ def plan_splits(batch_heads: int, n_tiles: int, fp_tokens: int, device: torch.de
                 waves: int = 2) -> tuple[int, int]:
     """(tile splits, fp splits) per (sequence, head).
 
-    ``waves`` (1 or 2) waves of PROGRAMS_PER_SM programs per multiprocessor (two measured faster for
-    two-warp programs on the H200: a program's prologue overlaps another's tiles; one for one-warp
-    programs), at least MIN_TILES_PER_SPLIT tiles per split and at most MAX_SPLITS splits: the last
-    program merges every split's partial alone, so many tiny splits cost more in the merge than they
-    gain (batch 1). The fp region (a BLOCK_N block of fp16 tokens reads as much as ~3 tiles) is
+    ``waves`` (1 or 2) waves of PROGRAMS_PER_SM programs per multiprocessor (two measured faster at
+    few (sequence, head) pairs on the H200: a program's prologue overlaps another's tiles), at least
+    MIN_TILES_PER_SPLIT tiles per split and at most MAX_SPLITS splits: the merge tree takes
+    MAX_SPLITS partials in two levels of at most 16 steps each, and past that a split's fixed cost
+    (query rotation, prologue) outweighs its share of the tiles. The fp region (a BLOCK_N block of fp16 tokens reads as much as ~3 tiles) is
     split when the tiles alone leave room.
     """
     full = PROGRAMS_PER_SM * _num_sms(device)

@@ -110,9 +110,11 @@ def test_decode_errors(kdevice):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("name", ["k2v2_g128", "k4v2_g128", "k4v4_g64"])
 @pytest.mark.parametrize("d,hq,hk", [(128, 32, 8), (64, 32, 8), (256, 16, 4)])
-@pytest.mark.parametrize("b,n_tiles,tq,tail", [(2, 32, 4, None), (1, 100, 1, 1), (8, 3, 1, 0), (2, 5, 8, 8)])
+@pytest.mark.parametrize("b,n_tiles,tq,tail", [(2, 32, 4, None), (1, 100, 1, 1), (1, 300, 1, 5), (8, 3, 1, 0),
+                                                (2, 5, 8, 8)])
 def test_decode_full(name, d, hq, hk, b, n_tiles, tq, tail):
-    """Full size on the GPU; tail None = G - 1 tokens, 0 = no tail (Tq = 1)."""
+    """Full size on the GPU; tail None = G - 1 tokens, 0 = no tail (Tq = 1). B 1 with 300 tiles plans
+    MAX_SPLITS splits: both levels of the merge tree take several steps."""
     cfg = KVarNConfig.from_name(name)
     tail = cfg.tile - 1 if tail is None else tail
     sk, sv, tiles, tk, tv, _, _ = history(b, hk, n_tiles, d, cfg, "cuda", tail=tail, seed=d + b)
@@ -139,8 +141,8 @@ def test_decode_full_model_frame_bf16(name):
 
 
 @pytest.mark.parametrize("knobs", [
-    dict(num_warps=1, num_stages=2),  # the default at many (sequence, head) pairs
-    dict(num_warps=2, num_stages=3, max_registers=168),  # the default at batch 1
+    dict(num_warps=1, num_stages=2),  # the default at D <= 128 (one or two waves of splits)
+    dict(num_warps=2, num_stages=3, max_registers=168),  # a capped, 3-stage plan (a --sweep knob)
     dict(num_warps=2, num_stages=2),  # D 256 or 8 rows per KV head: uncapped
     dict(num_warps=2, num_stages=1),
     dict(num_warps=4, num_stages=2, num_splits=1),

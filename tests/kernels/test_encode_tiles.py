@@ -2,15 +2,19 @@
 
 Codes are compared exactly up to the documented reduction-order allowance (at most 0.01% of codes,
 each by one step); fp16 scales within one ulp. When two normalization iterates score the same
-imbalance up to fp32 rounding, the kernel may keep the other one: then a tile's row and column scales
-move by reciprocal factors and only their products, the dequantized tile, must agree.
+imbalance up to fp32 rounding (the torch codec sums in float64, the kernel in fp32 trees), the kernel
+may keep the other one. Such a tile is checked against the torch codec's encoding at the iterate
+the kernel kept, after checking that this iterate ties the best one (measured on the H200: 5 of 256
+K tiles at D 64, each 1 fp32 ulp of the score above the best).
 """
 
 import pytest
 import torch
 
-from kvarn.codec import FIELD_ORDER, decode_tiles, encode_tiles as torch_encode, fields_to_records
+from kvarn.codec import FIELD_ORDER, TileFields, _encode_one, encode_tiles as torch_encode
+from kvarn.codec import fields_to_records
 from kvarn.config import KVarNConfig
+from kvarn.normalize import normalize_iterates
 from kvarn.pack import unpack_codes
 
 from kernel_data import rotated_tiles, synthetic_kv
@@ -29,27 +33,52 @@ def _within_ulp(a, b):
     return (a - b).abs() <= _ulp16(torch.maximum(a.abs(), b.abs()))
 
 
-def compare(out, ref, config):
-    """Returns (code flips, codes, tiles whose scales moved together); asserts everything else."""
+SCORE_TIE = 1e-6  # relative imbalance gap of a tie: a few fp32 ulps (2^-23 = 1.2e-7)
+
+
+def tie_adjusted(out, ref, k_tiles, v_tiles, config):
+    """``(ref, moved)``: the torch codec's fields, where the kernel kept another normalization iterate
+    (column scales not within one ulp) replaced by the torch encoding at that iterate; asserts that
+    the iterate exists and ties the best one."""
+    fields = {n: getattr(ref, n).clone() for n in FIELD_ORDER}
+    moved = 0
+    for side, x, bits in (("k", k_tiles, config.key_bits), ("v", v_tiles, config.value_bits)):
+        col = f"{side}_col_scale"
+        off = ~_within_ulp(getattr(out, col), getattr(ref, col)).all(-1)
+        if not off.any():
+            continue
+        xs = x.to(torch.float32)[off]  # [moved, R, C]
+        a, b, score = normalize_iterates(xs, config.sinkhorn_iters)
+        kept = _within_ulp(torch.exp(a).half(), getattr(out, col)[off][:, None, :]).all(-1)  # [moved, iters + 1]
+        assert kept.any(-1).all(), f"{side}: a tile's column scales match no normalization iterate"
+        pick = kept.float().argmax(-1)
+        at = lambda t: t.gather(1, pick[:, None, None].expand(-1, 1, t.shape[-1]))[:, 0]  # noqa: E731
+        gap = (score.gather(1, pick[:, None])[:, 0] - score.amin(-1)) / score.amin(-1)
+        assert (gap <= SCORE_TIE).all(), f"{side}: the kernel kept an iterate {gap.max():.2e} worse than the best"
+        ca, cb = at(a), at(b)
+        y = xs / (torch.exp(cb)[:, :, None] * torch.exp(ca)[:, None, :])
+        codes, scale, zero, colf = _encode_one(xs, bits, config.sinkhorn_iters, config.quantile,
+                                               normalized=(y, torch.exp(ca), torch.exp(cb)))
+        for name, val in ((f"{side}_codes", codes), (f"{side}_row_scale", scale), (f"{side}_row_zero", zero),
+                          (col, colf)):
+            fields[name][off] = val
+        moved += int(off.sum())
+    return TileFields(**fields), moved
+
+
+def compare(out, ref, config, tiles=None):
+    """Returns (code flips, codes, tiles where the kernel kept a tied iterate); asserts everything else.
+    ``tiles``: the encoded ``(k_tiles, v_tiles)``, to allow ties (None: every scale within one ulp)."""
+    ref, moved = (ref, 0) if tiles is None else tie_adjusted(out, ref, *tiles, config)
     flips, total = 0, 0
     for name, bits in (("k_codes", config.key_bits), ("v_codes", config.value_bits)):
         a, b = unpack_codes(getattr(out, name), bits).int(), unpack_codes(getattr(ref, name), bits).int()
         assert (a - b).abs().max() <= 1, f"{name}: a code moved by more than one step"
         flips += int((a != b).sum())
         total += a.numel()
-    lead = out.k_codes.shape[:-2]
-    ok = torch.ones(lead, dtype=torch.bool, device=out.k_codes.device)
     for name in ("k_row_scale", "k_row_zero", "k_col_scale", "v_col_scale", "v_row_scale", "v_row_zero"):
-        ok &= _within_ulp(getattr(out, name), getattr(ref, name)).all(-1)
-    # Tiles whose iterate differs: the dequantized tiles must still agree to fp16 rounding.
-    ka, va = decode_tiles(out, config)
-    kb, vb = decode_tiles(ref, config)
-    for a, b in ((ka, kb), (va, vb)):
-        scale = b.abs().amax(dim=(-1, -2), keepdim=True)
-        err = ((a - b).abs() / scale).amax(dim=(-1, -2))
-        worst = err[~ok].max().item() if (~ok).any() else 0.0
-        assert worst <= 4e-3, f"dequantized tiles differ by {worst:.2e} of their range"
-    return flips, total, int((~ok).sum())
+        assert _within_ulp(getattr(out, name), getattr(ref, name)).all(), f"{name}: a scale is off by more than one ulp"
+    return flips, total, moved
 
 
 @pytest.mark.parametrize("bits", [(2, 2), (4, 2), (4, 4), (8, 4)])
@@ -59,7 +88,7 @@ def test_encode_small(bits, kdevice):
     kt, vt = rotated_tiles(k, v, cfg)  # [1, 2, 1, 64, 64]; kt is a transposed view
     out = kernels.encode_tiles(kt, vt, cfg)
     ref = torch_encode(kt, vt, cfg)
-    flips, total, moved = compare(out, ref, cfg)
+    flips, total, moved = compare(out, ref, cfg, (kt, vt))
     assert flips <= max(1, int(1e-4 * total))
 
 
@@ -103,7 +132,7 @@ def test_encode_full(name, d):
     kt, vt = rotated_tiles(k, v, cfg)  # 128 tiles of K and of V
     out = kernels.encode_tiles(kt, vt, cfg)
     ref = torch_encode(kt, vt, cfg)
-    flips, total, moved = compare(out, ref, cfg)
+    flips, total, moved = compare(out, ref, cfg, (kt, vt))
     assert flips <= 1e-4 * total, f"{flips} of {total} codes differ"
     assert moved <= 0.25 * kt.shape[:-2].numel() * 2
 
