@@ -12,6 +12,10 @@ Caches (``--caches``), every ratio against ``fp16_flash`` measured in the same r
   8B-shaped model takes tens of seconds per shape, so it is not in the default list.
 - ``fp16_static_graph``: ``StaticCache`` with the decode step captured in an explicit CUDA graph by
   :func:`kvarn.integrations.hf_graph.decode_greedy` (the same capture as ``kvarn_graph``).
+- ``fp16_flash_graph``: ``fp16_flash`` with every step captured in its own CUDA graph at that
+  step's length and replayed once; only the replays are timed (the captures' host time is not).
+  Not a way to decode (a graph per length), the bound of a captured fp16 flash step: exact
+  lengths, flash SDPA, no host work.
 - ``kvarn:PRESET``: fused kvarn (``attn_implementation="kvarn"`` over ``KVarNCache`` packed tiles)
   through ``generate``, eager.
 - ``kvarn_graph:PRESET``: fused kvarn with reserved storage, decode step captured in CUDA graphs by
@@ -149,6 +153,7 @@ class StepClock(LogitsProcessor):
     def __init__(self, device, probe=None):
         self.cuda = device == "cuda"
         self.events, self.peaks, self.probes, self.probe = [], [], [], probe
+        self.spans = []  # begin events paired with events[i] (fp16_flash_graph): gaps are then spans
 
     def tick(self, *_):
         if self.cuda:
@@ -166,20 +171,47 @@ class StepClock(LogitsProcessor):
         return scores
 
     def gaps_ms(self):
+        if self.cuda and self.spans:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.spans, self.events)]
         if self.cuda:
             torch.cuda.synchronize()
             return [a.elapsed_time(b) for a, b in zip(self.events, self.events[1:])]
         return [(b - a) * 1e3 for a, b in zip(self.events, self.events[1:])]
 
 
+FLASH_DECODE = "fp16_nomask_decode"  # no "flash" in it: transformers reads such names as flash-attn kernels
+
+
+def flash_decode_attention(module, query, key, value, attention_mask, *, scaling=None, dropout=0.0, **kwargs):
+    """Decode attention of ``fp16_flash_graph``: one query token per row and no padding, so every
+    cached key is visible and no mask is needed; flash SDPA over the cache's views (transformers
+    builds a mask when no attention_mask is passed, which flash refuses)."""
+    if query.shape[2] != 1:
+        raise ValueError(f"{FLASH_DECODE} serves one-token decode steps, got {query.shape[2]} query tokens")
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2), None
+
+
+def register_flash_decode():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(FLASH_DECODE, flash_decode_attention)
+    AttentionMaskInterface.register(FLASH_DECODE, lambda *args, **kwargs: None)
+
+
 def make_cache(model, kind: str, max_len: int):
     """(cache, decode: "generate" | "generate_compiled" | "graph")."""
     name, _, preset = kind.partition(":")
     n_layers = model.config.num_hidden_layers
-    attn = "kvarn" if name.startswith("kvarn") else "sdpa"
+    if name == "fp16_flash_graph":
+        register_flash_decode()
+    attn = "kvarn" if name.startswith("kvarn") else FLASH_DECODE if name == "fp16_flash_graph" else "sdpa"
     model.set_attn_implementation(attn)
-    if name == "fp16_flash":
-        return Cache(layers=[FlashLayer(max_len) for _ in range(n_layers)]), "generate"
+    if name in ("fp16_flash", "fp16_flash_graph"):
+        return Cache(layers=[FlashLayer(max_len) for _ in range(n_layers)]), \
+            "generate" if name == "fp16_flash" else "graph_per_step"
     if name == "fp16_dynamic":
         return DynamicCache(config=model.config), "generate"
     if name in ("fp16_static", "fp16_static_compiled", "fp16_static_graph"):
@@ -189,7 +221,7 @@ def make_cache(model, kind: str, max_len: int):
         return hf_attention.fused_cache(model, preset), "generate"
     if name == "kvarn_graph" and preset:
         return hf_attention.fused_cache(model, preset, max_length=max_len), "graph"
-    raise ValueError(f"unknown cache {kind!r}; valid: fp16_flash, fp16_dynamic, fp16_static, fp16_static_compiled, "
+    raise ValueError(f"unknown cache {kind!r}; valid: fp16_flash, fp16_flash_graph, fp16_dynamic, fp16_static, fp16_static_compiled, "
                      "fp16_static_graph, kvarn:PRESET, kvarn_graph:PRESET")
 
 
@@ -208,6 +240,40 @@ def fill(cache, cfg, b, t, chunk, device):
             layer = cache.layers[i]
             if hasattr(layer, "freeze"):
                 layer.freeze()  # encode this layer's complete tiles now: one chunk of fp16 tail at a time
+
+
+@torch.no_grad()
+def decode_graph_per_step(model, cache, input_ids, new, clock):
+    """``new`` greedy tokens, step i captured at its own length and replayed once (``fp16_flash_graph``);
+    ``clock`` gets an event pair around each replay (``clock.spans``), so capture time is not counted."""
+    start = cache.get_seq_length()
+    logits = model(input_ids=input_ids, position_ids=torch.tensor([[start]], device=input_ids.device),
+                   past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    ids = logits[:, -1:].argmax(-1)
+    pos = torch.full((1, 1), start + 1, dtype=torch.long, device=input_ids.device)
+
+    def step():
+        out = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        ids.copy_(out[:, -1:].argmax(-1))
+        pos.add_(1)
+
+    stream, pool = torch.cuda.Stream(), torch.cuda.graph_pool_handle()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (workspaces) outside capture: one eager step
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(2, new):
+        graph = torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        clock.tick()
+        clock.spans.append(begin)
+        del graph
 
 
 def spec_bytes(kind: str, cfg, b: int, t: int, full_tail: bool = False) -> int:
@@ -248,9 +314,14 @@ def run_one(model, kind, b, context, new, chunk, device):
     before = torch.cuda.memory_allocated() if cuda else 0
     # The fp16 baseline is read by flash SDPA: pinned, so a dispatcher choice cannot slow it silently
     # (an error row instead, if flash refuses the inputs).
-    backend = sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if cuda and kind == "fp16_flash" else contextlib.nullcontext()
+    flash = cuda and kind in ("fp16_flash", "fp16_flash_graph")
+    backend = sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if flash else contextlib.nullcontext()
     with torch.no_grad(), backend:
-        if decode == "graph":
+        if decode == "graph_per_step":
+            if not cuda:
+                raise ValueError("fp16_flash_graph needs CUDA graphs (--device cuda)")
+            decode_graph_per_step(model, cache, ids[:, -1:], new, clock)
+        elif decode == "graph":
             hf_graph.decode_greedy(model, cache, ids[:, -1:], new, capture="cuda" if cuda else "simulate",
                                    on_step=clock.tick)
         else:
@@ -258,7 +329,7 @@ def run_one(model, kind, b, context, new, chunk, device):
                            logits_processor=[clock], attention_mask=torch.ones_like(ids),
                            disable_compile=decode != "generate_compiled", pad_token_id=0)
     gaps = clock.gaps_ms()
-    steady = gaps[3:]
+    steady = gaps[3:] if not clock.spans else gaps[1:]  # spans: the warm-up and the first token are not in them
     step = statistics.median(steady)
     row = {"cache": kind, "batch": b, "context": context, "history": t, "new": new,
            "step_ms": step, "tokens_per_s": b / step * 1e3, "gaps_ms": gaps,
@@ -305,18 +376,20 @@ def print_tables(rows, cap_rows):
                 return x["step_ms"] / r["step_ms"]
         return None
 
-    anchors = ("fp16_static_graph", "fp16_static_compiled")
+    statics = ("fp16_static_graph", "fp16_static_compiled")  # the captured StaticCache anchor, either
     if rows:
-        print("| context | B | cache | step ms | tokens/s | vs fp16_flash | vs fp16 captured | flush step | peak GiB | KV GiB stored (spec) |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("| context | B | cache | step ms | tokens/s | vs fp16_flash | vs fp16_flash_graph (bound) | "
+              "vs StaticCache captured | flush step | peak GiB | KV GiB stored (spec) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "step_ms" not in r:
-            print(f"| {r['context']} | {r['batch']} | {r['cache']} | {r['error'][:60]} | | | | | | |")
+            print(f"| {r['context']} | {r['batch']} | {r['cache']} | {r['error'][:60]} | | | | | | | |")
             continue
-        cap = next((base_of(r, a) for a in anchors if base_of(r, a) is not None), None)
+        static = next((base_of(r, a) for a in statics if base_of(r, a) is not None), None)
         fl = r.get("flush_over_median")
         print(f"| {r['context']} | {r['batch']} | {r['cache']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
-              f"{_fmt(base_of(r, 'fp16_flash'), '.2f')}x | {_fmt(cap, '.2f')}x | "
+              f"{_fmt(base_of(r, 'fp16_flash'), '.2f')}x | {_fmt(base_of(r, 'fp16_flash_graph'), '.2f')}x | "
+              f"{_fmt(static, '.2f')}x | "
               f"{'-' if fl is None else f'{100 * fl:+.1f}%'} | {_fmt(r.get('peak_gib'), '.1f')} | "
               f"{r['kv_gib']:.2f} ({r['kv_spec_gib']:.2f}) |")
     if cap_rows:

@@ -1,8 +1,11 @@
-"""Flush: encode one tile of every layer and KV head (K and V) in one launch, Llama-3.1-8B shape.
+"""Flush: encode one tile of every layer and KV head (K and V), Llama-3.1-8B shape.
 
-32 layers x 8 KV heads x batch rows of one G=128 tile each; D = 128. Times the Triton encoder
-(one launch) and the torch codec on the same GPU. The share of a decode step is computed by
-bench_e2e.py from these numbers and its measured step time. Prints a table, writes JSON.
+32 layers x 8 KV heads x batch rows of one G=128 tile each; D = 128. Times, on the same GPU:
+the Triton encoder over all of them in one launch; the same in 32 launches, one per layer (as the
+cache flushes); the cache's whole per-layer flush path (``TileStore.encode_into``: rotation in
+torch, the encoder, the deferred range check, the copy into the reserved slots) for the 32 layers,
+captured in one CUDA graph as a captured decode step runs it; and the torch codec (one call).
+The share of a decode step is in bench_e2e.py's flush column. Prints a table, writes JSON.
 
     PYTHONPATH=. python benchmarks/bench_flush.py --out results/flush.json
 """
@@ -15,11 +18,38 @@ import json
 import torch
 from triton.testing import do_bench
 
+from triton.testing import do_bench_cudagraph
+
 from kvarn import kernels
-from kvarn.codec import encode_tiles as torch_encode
+from kvarn.cache.store import TileStore
+from kvarn.codec import encode_tiles as torch_encode, record_layout
 from kvarn.config import KVarNConfig
+from kvarn.integrations.triton_codec import TritonTileCodec
 
 LAYERS, HK, D = 32, 8, 128
+
+
+def cache_path_us(cfg, b, dev):
+    """The cache's flush of one tile per row and KV head in each of LAYERS layers, as a captured
+    decode step runs it (:meth:`TileStore.encode_into` in deferred mode), timed as one CUDA graph."""
+    codec = TritonTileCodec("kvarn", cfg)
+    stores, tails = [], []
+    for i in range(LAYERS):
+        st = TileStore(codec, b, HK, D, dev)
+        st.reserve(record_layout(cfg, D), 2)
+        stores.append(st)
+        g = torch.Generator(device=dev).manual_seed(100 + i)
+        tails.append(tuple(torch.randn(b, HK, cfg.tile, D, device=dev, generator=g, dtype=torch.float16)
+                           for _ in range(2)))
+    slot = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def flush():
+        with codec.deferred():
+            for st, (tk, tv) in zip(stores, tails):
+                st.encode_into(tk, tv, slot)
+
+    flush()  # compile and first-write bookkeeping before capture
+    return do_bench_cudagraph(flush, rep=100, return_mode="median") * 1e3
 
 
 def main():
@@ -43,16 +73,28 @@ def main():
             warps = {nw: do_bench(lambda: kernels.encode_tiles(k, v, cfg, out=out, num_warps=nw), rep=50,
                                   return_mode="median") * 1e6 for nw in (4, 16)}
             t_th = do_bench(lambda: torch_encode(k, v, cfg), rep=100, return_mode="median") * 1e-3
+            per = m // LAYERS  # one layer's K (or V) tiles
+            outs = [kernels.encode_tiles(k[i * per:(i + 1) * per], v[i * per:(i + 1) * per], cfg) for i in range(LAYERS)]
+
+            def per_layer():
+                for i, o in enumerate(outs):
+                    kernels.encode_tiles(k[i * per:(i + 1) * per], v[i * per:(i + 1) * per], cfg, out=o)
+
+            t_layers = do_bench_cudagraph(per_layer, rep=100, return_mode="median") * 1e-3
+            t_path = cache_path_us(cfg, b, dev) * 1e-6
             row = {"preset": name, "batch": b, "tiles": 2 * m, "triton_us": t_tr * 1e6, "torch_us": t_th * 1e6,
+                   "triton_per_layer_launches_us": t_layers * 1e6, "cache_path_us": t_path * 1e6,
                    "triton_us_by_warps": {8: t_tr * 1e6, **warps},
                    "triton_us_per_tile": t_tr * 1e6 / (2 * m)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     with open(a.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
-    print("| preset | B | K+V tiles | Triton flush µs | torch codec µs |\n|---|---|---|---|---|")
+    print("| preset | B | K+V tiles | Triton, one launch µs | Triton, a launch per layer µs | cache flush path "
+          "(32 layers, captured) µs | torch codec µs |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['preset']} | {r['batch']} | {r['tiles']} | {r['triton_us']:.0f} | {r['torch_us']:.0f} |")
+        print(f"| {r['preset']} | {r['batch']} | {r['tiles']} | {r['triton_us']:.0f} | "
+              f"{r['triton_per_layer_launches_us']:.0f} | {r['cache_path_us']:.0f} | {r['torch_us']:.0f} |")
 
 
 if __name__ == "__main__":
