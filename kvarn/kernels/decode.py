@@ -3,12 +3,13 @@
 
 Programs: per (sequence, KV head), ``fp_splits`` programs over the full-precision sink and tail
 and ``tile_splits`` programs over ranges of quantized tiles. Each program reads its tiles once for
-all ``M = GROUP * Tq`` query rows of the KV head. Every program writes ``(m, l, acc)``; the last
-program of a (sequence, head) to finish (an atomic counter) merges them and un-rotates. The
-rotations of the query (every program) and of the merged output are done in registers
-(:func:`decode_blocks.hadamard_rows`: two 16-wide MMAs over the Kronecker factors of H), so no
-program reads H and the merge makes no round trip through memory for it: at batch 1 the merge
-is the serial tail of the launch. A tile's fields are loaded together
+all ``M = GROUP * Tq`` query rows of the KV head. Every program writes ``(m, l, acc)``; a
+two-level tree merges them in the same launch (atomic counters): the last program of each group
+of MERGE_GROUP splits to finish merges its group, the last group merges the groups, and the
+result is un-rotated. The rotations of the query (every program) and of the merged output are
+done in registers (:func:`decode_blocks.hadamard_rows`: two 16-wide MMAs over the Kronecker
+factors of H), so no program reads H. At batch 1 the merge is the serial tail of the launch; the
+tree keeps it short enough that many short splits pay (launch_plan). A tile's fields are loaded together
 (:func:`decode_blocks.tile_load`); with ``num_stages`` >= 2 Triton's pipeline copies tile n+1's
 fields to shared memory while tile n is computed, so the loop does not wait on memory. :func:`launch_plan` picks warps, register cap, stages and waves.
 
