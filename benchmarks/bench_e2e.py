@@ -221,8 +221,8 @@ def make_cache(model, kind: str, max_len: int):
         return hf_attention.fused_cache(model, preset), "generate"
     if name == "kvarn_graph" and preset:
         return hf_attention.fused_cache(model, preset, max_length=max_len), "graph"
-    raise ValueError(f"unknown cache {kind!r}; valid: fp16_flash, fp16_flash_graph, fp16_dynamic, fp16_static, fp16_static_compiled, "
-                     "fp16_static_graph, kvarn:PRESET, kvarn_graph:PRESET")
+    raise ValueError(f"unknown cache {kind!r}; valid: fp16_flash, fp16_flash_graph, fp16_dynamic, fp16_static, "
+                     "fp16_static_compiled, fp16_static_graph, kvarn:PRESET, kvarn_graph:PRESET")
 
 
 def fill(cache, cfg, b, t, chunk, device):

@@ -74,7 +74,8 @@ def main():
                                   return_mode="median") * 1e6 for nw in (4, 16)}
             t_th = do_bench(lambda: torch_encode(k, v, cfg), rep=100, return_mode="median") * 1e-3
             per = m // LAYERS  # one layer's K (or V) tiles
-            outs = [kernels.encode_tiles(k[i * per:(i + 1) * per], v[i * per:(i + 1) * per], cfg) for i in range(LAYERS)]
+            outs = [kernels.encode_tiles(k[i * per:(i + 1) * per], v[i * per:(i + 1) * per], cfg)
+                    for i in range(LAYERS)]
 
             def per_layer():
                 for i, o in enumerate(outs):

@@ -11,7 +11,8 @@ done in registers (:func:`decode_blocks.hadamard_rows`: two 16-wide MMAs over th
 factors of H), so no program reads H. At batch 1 the merge is the serial tail of the launch; the
 tree keeps it short enough that many short splits pay (launch_plan). A tile's fields are loaded together
 (:func:`decode_blocks.tile_load`); with ``num_stages`` >= 2 Triton's pipeline copies tile n+1's
-fields to shared memory while tile n is computed, so the loop does not wait on memory. :func:`launch_plan` picks warps, register cap, stages and waves.
+fields to shared memory while tile n is computed, so the loop does not wait on memory.
+:func:`launch_plan` picks warps, register cap, stages and waves.
 
 Orientation: both products are transposed, so the packed codes are the left (register) operand
 and the small side is the query rows. With the scales folded (spec section 5):
@@ -242,9 +243,10 @@ def plan_splits(batch_heads: int, n_tiles: int, fp_tokens: int, device: torch.de
     ``waves`` (1 or 2) waves of PROGRAMS_PER_SM programs per multiprocessor (two measured faster at
     few (sequence, head) pairs on the H200: a program's prologue overlaps another's tiles), at least
     MIN_TILES_PER_SPLIT tiles per split and at most MAX_SPLITS splits: the merge tree takes
-    MAX_SPLITS partials in two levels of at most 16 steps each, and past that a split's fixed cost
-    (query rotation, prologue) outweighs its share of the tiles. The fp region (a BLOCK_N block of fp16 tokens reads as much as ~3 tiles) is
-    split when the tiles alone leave room.
+    MAX_SPLITS partials in two short levels (groups of MERGE_GROUP, then 16 group results), and
+    shorter splits would cost their fixed part (query rotation, prologue) for less than 2 tiles.
+    The fp region (a BLOCK_N block of fp16 tokens reads as much as ~3 tiles) is split when the
+    tiles alone leave room.
     """
     full = PROGRAMS_PER_SM * _num_sms(device)
     want = max(1, -(-2 * full // batch_heads) if waves == 2 else full // batch_heads)
