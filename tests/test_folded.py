@@ -6,24 +6,21 @@ import torch
 from kvarn.attention import decode_attention
 from kvarn.codec import encode_tiles, kv_to_tiles, rotate_kv
 from kvarn.config import KVarNConfig
-from kvarn.folded import folded_decode_attention, natural_order, plane_order, unpack_planes
+from kvarn.folded import folded_decode_attention, unpack_centred
 from kvarn.hadamard import rotate
 from kvarn.pack import pack_codes, unpack_codes
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_unpack_planes_and_orders(bits):
+def test_unpack_centred(bits):
     g = torch.Generator().manual_seed(bits)
     # [.., n, C] in natural order; every code 0 .. 2^b - 1 occurs
     codes = (torch.randperm(3 * 16 * 8, generator=g) % 2**bits).to(torch.uint8).view(3, 16, 8)
     packed = pack_codes(codes.transpose(-1, -2), bits).transpose(-1, -2)  # packed along n: [.., n/P, C]
-    planes = unpack_planes(packed, bits)
-    assert planes.dtype == torch.int8
-    # centred on 2^(b-1) (a wrong sign extension shows on some code)
-    assert torch.equal(planes.short(), plane_order(codes, bits, dim=1).short() - 2 ** (bits - 1))
-    assert torch.equal(natural_order(plane_order(codes, bits, dim=1), bits, dim=1), codes)
-    if bits < 8:
-        assert not torch.equal(plane_order(codes, bits, dim=1), codes)
+    out = unpack_centred(packed, bits)
+    assert out.dtype == torch.int8
+    # natural order along n, centred on 2^(b-1) (a wrong sign extension or order shows on some code)
+    assert torch.equal(out.short(), codes.short() - 2 ** (bits - 1))
 
 
 def _case(cfg, b, hk, hq, d, tiles_per_row, fp_lens, seed):
