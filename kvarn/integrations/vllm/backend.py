@@ -50,9 +50,9 @@ logger = logging.getLogger(__name__)
 
 # Values of K (and as many of V) per encode call of a group commit. The torch encoder's passes run
 # fastest over buffers (about 30 bytes per value) that stay in cache and in memory the allocator
-# reuses: with two threads, 2^18 values took 0.47 ms per SmolLM2 tile-head, 2^19 0.51, 2^20 0.68,
-# 2^16 0.72 (more, smaller operations). The Triton encoder wants few large launches; 2^22 bounds its
-# buffers to about 120 MiB.
+# reuses: with two threads, 2^18 values (10 SmolLM2 tiles) took 0.47 ms per tile-head, 2^19 0.51,
+# 2^20 0.68, 5 tiles 0.50 and 2 tiles 0.72 (more, smaller operations). The Triton encoder wants few
+# large launches; 2^22 bounds its buffers to about 120 MiB.
 COMMIT_CHUNK_VALUES = {False: 1 << 18, True: 1 << 22}  # keyed by use_triton
 
 
