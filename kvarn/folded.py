@@ -25,12 +25,11 @@ at the size of the reference's. One softmax covers both parts: the maximum and t
 (sequence, query head) are reduced over the tiles with ``scatter_reduce`` / ``index_add`` on
 ``tile_row``.
 
-Code order. The codes are unpacked by bit plane and used in that order, never interleaved back:
-bit plane ``i`` of the stored K bytes ``[G/P, D]`` holds the tokens ``{P t + i}``, so the scores of
-a tile come out in token order ``(i, t)``; ``rK`` is permuted to match and the probabilities are put
-back in natural order (a ``[T, Hk, Gq, G]`` tensor) for the V product. Bit plane ``j`` of the stored V
-bytes ``[D/P, G]`` holds the channels ``{P c + j}``: the tiles' outputs are summed in that channel
-order and put back once per sequence.
+Code order. The codes are unpacked in the order of the packed axis: byte row ``r`` of the stored K
+bytes ``[G/P, D]`` holds the tokens ``P r .. P r + P - 1``, and its ``P`` fields go to rows
+``P r + i`` of the unpacked ``[G, D]`` (the shift that moves field ``i`` to the top of the byte
+writes that row directly), so scores, probabilities and outputs are in natural token and channel
+order and nothing is permuted afterwards; the V bytes ``[D/P, G]`` unpack to ``[D, G]`` alike.
 
 Agrees with :func:`kvarn.attention.decode_attention` (the reference, which dequantizes every tile
 to float32) to float32 rounding for float32 inputs, and to the rounding of the input dtype for
@@ -47,7 +46,7 @@ from .codec import TileFields
 from .config import KVarNConfig
 from .hadamard import rotate
 
-__all__ = ["folded_decode_attention", "unpack_planes", "plane_order", "natural_order", "scratch_buffer"]
+__all__ = ["folded_decode_attention", "unpack_centred", "scratch_buffer"]
 
 
 def scratch_buffer(workspace: dict | None, name: str, shape, dtype, device) -> torch.Tensor:
@@ -61,57 +60,57 @@ def scratch_buffer(workspace: dict | None, name: str, shape, dtype, device) -> t
     return buf
 
 
-def unpack_planes(codes: torch.Tensor, bits: int, workspace: dict | None = None,
-                  name: str = "codes") -> torch.Tensor:
-    """Packed codes ``uint8 [..., R, C]`` -> float32 ``[..., P * R, C]`` of ``code - 2^(b-1)``, bit
-    plane by bit plane.
+def unpack_centred(codes: torch.Tensor, bits: int, workspace: dict | None = None,
+                   name: str = "codes") -> torch.Tensor:
+    """Packed codes ``uint8 [..., R, C]`` (packed along ``R``) -> int8 ``[..., P * R, C]`` of
+    ``code - 2^(b-1)``, in natural order: row ``P r + i`` holds field ``i`` (bits ``i*b .. i*b + b - 1``)
+    of byte row ``r`` (docs/algorithm.md section 4).
 
-    Row ``i * R + r`` of the result is bit plane ``i`` (bits ``i*b .. i*b + b - 1``) of byte row ``r``:
-    the code that sits at index ``P r + i`` along the packed axis (docs/algorithm.md section 4).
     The codes come out centred on ``2^(b-1)`` (integers in ``[-2^(b-1), 2^(b-1))``) at no cost:
     flipping the top bit of every field turns its sign extension, two shifts of an int8, into
-    ``code - 2^(b-1)``, so no float pass subtracts the centre.
+    ``code - 2^(b-1)``, so no float pass subtracts the centre. They stay int8 (exact): the products
+    convert them to float32 a cache-sized chunk at a time (:func:`_chunked_matmul`).
     ``workspace``: a dict of scratch buffers kept by the caller between calls of one shape (the
     result is one of them, valid until the next call with that workspace and ``name``).
     """
     per_byte = 8 // bits
     *lead, r, c = codes.shape
-    out = scratch_buffer(workspace, name, (*lead, per_byte * r, c), torch.float32, codes.device)
     top_bits = sum(1 << (bits * i + bits - 1) for i in range(per_byte))  # 0x80, 0x88 or 0xAA
+    fields = scratch_buffer(workspace, name + "_fields", (*lead, r, per_byte, c), torch.uint8, codes.device)
     if per_byte == 1:
-        return out.copy_(codes.bitwise_xor(top_bits).view(torch.int8))
+        return torch.bitwise_xor(codes, top_bits, out=fields.squeeze(-2)).view(torch.int8)
     flipped = scratch_buffer(workspace, name + "_bytes", codes.shape, torch.uint8, codes.device)
     torch.bitwise_xor(codes, top_bits, out=flipped)
-    # Plane i moved to the top of the byte, then an arithmetic shift back down sign-extends it.
-    up = torch.arange(8 - bits, -1, -bits, dtype=torch.uint8, device=codes.device).view(per_byte, 1, 1)
-    planes = scratch_buffer(workspace, name + "_planes", (*lead, per_byte, r, c), torch.uint8, codes.device)
-    torch.bitwise_left_shift(flipped.unsqueeze(-3), up, out=planes)
-    signed = planes.view(torch.int8).bitwise_right_shift_(8 - bits)
-    # int8 to float32 is vectorized on CPU (uint8's is several times slower there).
-    return out.copy_(signed.flatten(-3, -2))
+    # Field i moved to the top of the byte, then an arithmetic shift back down sign-extends it. One
+    # shift by a scalar per field: a broadcast tensor of shifts took twice as long.
+    for i in range(per_byte):
+        torch.bitwise_left_shift(flipped, 8 - bits * (i + 1), out=fields[..., i, :])
+    return fields.view(torch.int8).bitwise_right_shift_(8 - bits).flatten(-3, -2)
 
 
-def plane_order(x: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
-    """Reorder axis ``dim`` (natural order, length ``n``) into the plane order of :func:`unpack_planes`:
-    position ``i * (n / P) + r`` gets natural index ``P r + i``."""
-    per_byte = 8 // bits
-    if per_byte == 1:
-        return x
-    x = x.movedim(dim, -1)
-    n = x.shape[-1]
-    out = x.unflatten(-1, (n // per_byte, per_byte)).transpose(-1, -2).flatten(-2)
-    return out.movedim(-1, dim)
+# Float32 bytes of the codes converted per product call: the conversion writes them and the product
+# reads them back while they are still in the core's L2 cache (2 MiB per core here; each of the two
+# threads of a call takes half). One conversion and one product over a whole layer's codes (tens of
+# MiB) run at memory speed instead, about 1.5x the time.
+CHUNK_BYTES = 1 << 20
 
 
-def natural_order(x: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
-    """Inverse of :func:`plane_order` along ``dim``."""
-    per_byte = 8 // bits
-    if per_byte == 1:
-        return x
-    x = x.movedim(dim, -1)
-    n = x.shape[-1]
-    out = x.unflatten(-1, (per_byte, n // per_byte)).transpose(-1, -2).flatten(-2)
-    return out.movedim(-1, dim)
+def _chunked_matmul(a: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, workspace: dict | None,
+                    name: str) -> torch.Tensor:
+    """``out = a @ codes.float().transpose(-1, -2)`` over leading dim 0, converting ``codes`` (int8
+    ``[T, ..., N, K]``) to float32 a chunk of tiles at a time. a: ``[T, ..., M, K]``, out ``[T, ..., M, N]``,
+    both contiguous. Each matrix is the same product as without chunks (one ``bmm`` per chunk, on
+    3-d views: ``matmul`` over 4-d slices added a dozen view operations per chunk)."""
+    t, per = codes.shape[0], codes[0].numel() // (codes.shape[-2] * codes.shape[-1])  # matrices per tile
+    step = max(1, CHUNK_BYTES // (codes[0].numel() * 4))
+    buf = scratch_buffer(workspace, name + "_f32", (min(step, t) * per, *codes.shape[-2:]), torch.float32,
+                         codes.device)
+    a3, c3, out3 = a.view(-1, *a.shape[-2:]), codes.view(-1, *codes.shape[-2:]), out.view(-1, *out.shape[-2:])
+    for t0 in range(0, t, step):
+        i0, i1 = t0 * per, min(t0 + step, t) * per
+        f = buf[: i1 - i0].copy_(c3[i0:i1])  # int8 to float32 is vectorized on CPU (uint8's is not)
+        torch.bmm(a3[i0:i1], f.transpose(1, 2), out=out3[i0:i1])
+    return out
 
 
 def _fp_attention(q: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor,
@@ -183,11 +182,11 @@ def folded_decode_attention(
         qt = q.index_select(0, tile_row)  # [T, Hk, Gq, D]
         k_scale = tiles.k_row_scale.to(torch.float32)
         k_zero = torch.add(tiles.k_row_zero.to(torch.float32), k_scale, alpha=1 << (kb - 1))  # the centred codes' zero
-        k_codes = unpack_planes(tiles.k_codes, kb, workspace, "k")  # [T, Hk, G (plane order), D]
-        s_t = torch.matmul(qt * k_scale[:, :, None, :], k_codes.transpose(-1, -2))  # [T, Hk, Gq, G]
+        k_codes = unpack_centred(tiles.k_codes, kb, workspace, "k")  # [T, Hk, G, D]
+        s_t = _chunked_matmul(qt * k_scale[:, :, None, :], k_codes, qt.new_empty(*qt.shape[:3], k_codes.shape[-2]),
+                              workspace, "k")  # [T, Hk, Gq, G]
         qz = torch.matmul(qt, k_zero[..., None])  # [T, Hk, Gq, 1]
-        rk = plane_order(tiles.k_col_scale.to(torch.float32), kb)  # [T, Hk, G]
-        s_t.add_(qz).mul_(rk[:, :, None, :])
+        s_t.add_(qz).mul_(tiles.k_col_scale.to(torch.float32)[:, :, None, :])  # rK
         t_max = s_t.amax(-1)  # [T, Hk, Gq]
         m = m.scatter_reduce(0, tile_row[:, None, None].expand_as(t_max), t_max, "amax")
     # Where nothing is visible m is -inf: a finite floor makes exp give 0 instead of NaN.
@@ -196,18 +195,16 @@ def folded_decode_attention(
     l_sum = w_fp
     acc = o_fp.mul_(w_fp[..., None])  # [B, Hk, Gq, D]
     if has_tiles:
-        e_t = s_t.sub_(m.index_select(0, tile_row)[..., None]).exp_()  # [T, Hk, Gq, G (plane order)]
-        l_sum = l_sum.index_add(0, tile_row, e_t.sum(-1))
-        p = natural_order(e_t, kb).contiguous()
+        p = s_t.sub_(m.index_select(0, tile_row)[..., None]).exp_()  # [T, Hk, Gq, G]
+        l_sum = l_sum.index_add(0, tile_row, p.sum(-1))
         v_scale = tiles.v_row_scale.to(torch.float32)
         v_zero = torch.add(tiles.v_row_zero.to(torch.float32), v_scale, alpha=1 << (vb - 1))
         pz = torch.matmul(p, v_zero[..., None])  # [T, Hk, Gq, 1]
-        v_codes = unpack_planes(tiles.v_codes, vb, workspace, "v")  # [T, Hk, D (plane order), G]
-        o_t = torch.matmul(p.mul_(v_scale[:, :, None, :]), v_codes.transpose(-1, -2))  # [T, Hk, Gq, D]
-        cv = plane_order(tiles.v_col_scale.to(torch.float32), vb)  # [T, Hk, D]
-        o_t.add_(pz).mul_(cv[:, :, None, :])
-        acc_t = o_t.new_zeros(b, hk, gq, d).index_add_(0, tile_row, o_t)
-        acc = acc + natural_order(acc_t, vb)
+        v_codes = unpack_centred(tiles.v_codes, vb, workspace, "v")  # [T, Hk, D, G]
+        o_t = _chunked_matmul(p.mul_(v_scale[:, :, None, :]), v_codes, p.new_empty(*p.shape[:3], d),
+                              workspace, "v")  # [T, Hk, Gq, D]
+        o_t.add_(pz).mul_(tiles.v_col_scale.to(torch.float32)[:, :, None, :])  # cV
+        acc = acc.index_add(0, tile_row, o_t)
     # The largest visible score contributes exp(0) = 1, so a sum below 1 means nothing is visible
     # (and then acc is 0): clamping gives the 0 output without a NaN.
     out = acc / l_sum.clamp_min(1.0)[..., None]

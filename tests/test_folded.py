@@ -6,24 +6,21 @@ import torch
 from kvarn.attention import decode_attention
 from kvarn.codec import encode_tiles, kv_to_tiles, rotate_kv
 from kvarn.config import KVarNConfig
-from kvarn.folded import folded_decode_attention, natural_order, plane_order, unpack_planes
+from kvarn.folded import folded_decode_attention, unpack_centred
 from kvarn.hadamard import rotate
 from kvarn.pack import pack_codes, unpack_codes
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_unpack_planes_and_orders(bits):
+def test_unpack_centred(bits):
     g = torch.Generator().manual_seed(bits)
     # [.., n, C] in natural order; every code 0 .. 2^b - 1 occurs
     codes = (torch.randperm(3 * 16 * 8, generator=g) % 2**bits).to(torch.uint8).view(3, 16, 8)
     packed = pack_codes(codes.transpose(-1, -2), bits).transpose(-1, -2)  # packed along n: [.., n/P, C]
-    planes = unpack_planes(packed, bits)
-    assert planes.dtype == torch.float32
-    # centred on 2^(b-1) (a wrong sign extension shows on some code)
-    assert torch.equal(planes, plane_order(codes, bits, dim=1).float() - 2 ** (bits - 1))
-    assert torch.equal(natural_order(plane_order(codes, bits, dim=1), bits, dim=1), codes)
-    if bits < 8:
-        assert not torch.equal(plane_order(codes, bits, dim=1), codes)
+    out = unpack_centred(packed, bits)
+    assert out.dtype == torch.int8
+    # natural order along n, centred on 2^(b-1) (a wrong sign extension or order shows on some code)
+    assert torch.equal(out.short(), codes.short() - 2 ** (bits - 1))
 
 
 def _case(cfg, b, hk, hq, d, tiles_per_row, fp_lens, seed):
@@ -127,3 +124,25 @@ def test_fp_only_and_nothing_visible():
                            causal=False)[:, :, 0]
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.mark.parametrize("name", ["k4v2_g128", "k2v2_g64"])
+def test_chunked_products_match_one_chunk(name, monkeypatch):
+    """The codes are converted to float32 and multiplied a chunk of tiles at a time: chunk boundaries
+    (one tile per chunk, a chunk that ends short, one chunk for all) leave every product unchanged."""
+    import kvarn.folded as folded
+
+    cfg = KVarNConfig.from_name(name)
+    b, hk, hq, d = 3, 2, 6, 64
+    q, fk, fv, tiles, counts, lens = _case(cfg, b, hk, hq, d, [3, 2, 2], [5, 1, 17], seed=7)
+    ragged, rows = _ragged(tiles, counts)
+    valid = torch.arange(fk.shape[2])[None, :] < lens[:, None]
+    tile_bytes = hk * cfg.tile * d * 4  # float32 codes of one tile, K or V
+    outs = []
+    for chunk in (1, 2 * tile_bytes, 3 * tile_bytes, 1 << 30):
+        monkeypatch.setattr(folded, "CHUNK_BYTES", chunk)
+        outs.append(folded_decode_attention(q[:, :, 0], fk, fv, valid, ragged, rows, cfg, 0.3, workspace={}))
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    ref = _dense_reference(q, fk, fv, tiles, counts, lens, cfg, 0.3)
+    torch.testing.assert_close(outs[0].double(), ref, atol=2e-5, rtol=1e-4)

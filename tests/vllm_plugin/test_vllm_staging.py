@@ -161,3 +161,19 @@ def test_commit_chunks_cover_every_tile_once_in_bounded_calls(layers, blocks, pe
     per_layer = -(-blocks // per_call)
     expected = layers * per_layer if blocks > per_call else (-(-layers // (per_call // blocks)) if blocks else 0)
     assert len(calls) == expected
+
+
+def test_continuing_chunks_get_their_own_prefill_call():
+    """A chunk that continues a prompt needs an explicit mask: it never shares a call with prompts
+    that start in this step, which keep the kernel's own causal mask."""
+    index = StagingIndex(slots=16)
+    a, b, c = [1, 2], [4, 5], [6]
+    _step(index, [(0, 128, True, a[:1])])  # a: first chunk of its prompt
+    # a continues (1 block cached, 20 new tokens: 2 key blocks, as many as b's fresh prompt)
+    p = _step(index, [(128, 20, True, a), (0, 200, True, b), (0, 100, True, c)])
+    assert p.pre_tok[:, 0].tolist() == [220, 20, 0]  # fresh prompts first (c, b by length), then a
+    assert [grp[4] for grp in p.pre_groups] == [True, False]
+    assert p.pre_groups[-1][:2] == (2, 3) and p.pre_qpos[2, 0] == 128
+    # a continuing chunk alone is not flagged fresh, a fresh prompt alone is
+    assert not _step(index, [(148, 30, True, a)]).pre_groups[0][4]
+    assert _step(StagingIndex(slots=16), [(0, 256, True, a)]).pre_groups[0][4]

@@ -50,9 +50,10 @@ logger = logging.getLogger(__name__)
 
 # Values of K (and as many of V) per encode call of a group commit. The torch encoder's passes run
 # fastest over buffers (about 30 bytes per value) that stay in cache and in memory the allocator
-# reuses: 2^19 values took 25-30% less CPU time per tile than 2^22 (SmolLM2 shapes, one thread). The Triton
-# encoder wants few large launches; 2^22 bounds its buffers to about 120 MiB.
-COMMIT_CHUNK_VALUES = {False: 1 << 19, True: 1 << 22}  # keyed by use_triton
+# reuses: with two threads, 2^18 values (10 SmolLM2 tiles) took 0.47 ms per tile-head, 2^19 0.51,
+# 2^20 0.68, 5 tiles 0.50 and 2 tiles 0.72 (more, smaller operations). The Triton encoder wants few
+# large launches; 2^22 bounds its buffers to about 120 MiB.
+COMMIT_CHUNK_VALUES = {False: 1 << 18, True: 1 << 22}  # keyed by use_triton
 
 
 @dataclass
@@ -282,7 +283,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
                 self._decode(q, sk, sv, pages, plan, out, use_triton)
         if plan.pre_tok.numel():
             with record_function("kvarn.prefill"):
-                self._prefill(q, sk, sv, plan, out)
+                self._prefill(q, k, v, sk, sv, plan, out)
         for t0, n, length, blocks in plan.extend:
             with record_function("kvarn.extend"):
                 out[t0:t0 + n] = self._extend(q[t0:t0 + n], blocks, length, sk, sv, pages, plan).to(out.dtype)
@@ -370,31 +371,38 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
                    tail_lengths=plan.dec_tail_len[rows], causal=False, fp_frame="rotated")
             out.index_copy_(0, tok, o.reshape(b, self.num_heads, d).to(out.dtype))
 
-    def _prefill(self, q, sk, sv, plan: StepPlan, out) -> None:
-        """Prompt tokens of P requests: exact causal attention over their staged fp tokens, one call
-        per group of :attr:`StepPlan.pre_groups` (rows of similar lengths).
+    def _prefill(self, q, k, v, sk, sv, plan: StepPlan, out) -> None:
+        """Prompt tokens of P requests: exact causal attention, one call per group of
+        :attr:`StepPlan.pre_groups` (rows of similar lengths), in the model's dtype as vLLM's own
+        backends compute it.
 
-        In the model's dtype, as vLLM's own backends compute it (the staged K/V are in that dtype;
-        the query is rotated in float32). A group of prompts that all start at position 0 uses the
-        kernel's own causal mask: query ``i`` sees keys ``<= i``, and padded keys lie past every
-        valid query of their row.
+        A group of prompts that all start in this step sees only this step's tokens: attention runs
+        on the new ``q, k, v`` as the model gave them (the scores are the same in either frame, H
+        being orthonormal), with the kernel's own causal mask (query ``i`` sees keys ``<= i``; padded
+        keys lie past every valid query of their row). Rotating the queries in and the outputs back
+        (two float32 products over every prompt token and query head) and gathering the staged keys
+        had cost about twice the attention itself. A chunk that continues a prompt reads its
+        earlier tokens from the staging, in the rotated frame, with an explicit mask.
         """
         g, d, hk = self.config.tile, self.head_size, self.num_kv_heads
         for first, stop, m, kb, fresh in plan.pre_groups:
             rows = slice(first, stop)
             p = stop - first
             tok, valid = plan.pre_tok[rows, :m], plan.pre_valid[rows, :m]
-            qp = rotate(q[tok], torch.float32).to(sk.dtype).transpose(1, 2)  # [p, Hq, m, D]
-            flat = plan.pre_slots[rows, :kb].reshape(-1)
-            kp = sk.index_select(0, flat).view(p, kb * g, hk, d).transpose(1, 2)  # [p, Hk, kb*G, D]
-            vp = sv.index_select(0, flat).view(p, kb * g, hk, d).transpose(1, 2)
-            mask = None
-            if not fresh:
+            if fresh:
+                qp, kp, vp = (x[tok].transpose(1, 2) for x in (q, k, v))  # [p, H, m, D]
+                o = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale,
+                                                                     enable_gqa=True).transpose(1, 2)
+            else:
+                qp = rotate(q[tok], torch.float32).to(sk.dtype).transpose(1, 2)  # [p, Hq, m, D]
+                flat = plan.pre_slots[rows, :kb].reshape(-1)
+                kp = sk.index_select(0, flat).view(p, kb * g, hk, d).transpose(1, 2)  # [p, Hk, kb*G, D]
+                vp = sv.index_select(0, flat).view(p, kb * g, hk, d).transpose(1, 2)
                 kpos = torch.arange(kb * g, device=q.device)
                 mask = (kpos[None, None, :] <= plan.pre_qpos[rows, :m, None])[:, None]  # [p, 1, m, kb*G]
-            o = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, is_causal=fresh,
-                                                                 scale=self.scale, enable_gqa=True)
-            o = rotate(o.transpose(1, 2), torch.float32)  # [p, m, Hq, D], un-rotated
+                o = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,
+                                                                     enable_gqa=True)
+                o = rotate(o.transpose(1, 2), torch.float32)  # [p, m, Hq, D], un-rotated
             out[tok[valid]] = o[valid].to(out.dtype)
 
     def _extend(self, q, blocks, length, sk, sv, pages, plan: StepPlan) -> torch.Tensor:

@@ -20,7 +20,8 @@ Per request (``ctx`` cached tokens, ``n`` new ones, ``L = ctx + n``, ``sb = S / 
    - *prefill* (prompt tokens in this step): batched exact causal attention over the staged fp
      tokens (a prefilling request has no committed tile), rows sorted by length and split into at
      most :data:`MAX_CALLS` calls (:func:`prefill_groups`) so that short prompts are not padded to
-     the longest;
+     the longest; prompts that start in this step and chunks that continue a prompt are grouped
+     apart (the first need no explicit mask);
    - *extend* (past its prompt, several new tokens: speculative verification, a preempted request
      recomputed in chunks): exact attention over [sink fp | dequantized records | fp], per request.
 """
@@ -231,15 +232,21 @@ def build_plan(index: StagingIndex, tile: int, sink_tokens: int, query_start_loc
     fp_valid = torch.where(fp_pos < sb * g, fp_pos < sink_len[:, None], fp_pos - sb * g < tail_len[:, None])
     have = torch.arange(n_max)[None, :] < tiles[:, None]  # [B, n_max]
 
-    # 3b. prefill requests
+    # 3b. prefill requests: prompts that start in this step first, then chunks that continue one.
+    # A call over fresh prompts uses the kernel's own causal mask, which skips the key blocks past
+    # each query block; one continuing chunk in a call would give every row of it an explicit mask
+    # (twice the work, and a mask to read), so the two kinds never share a call.
     pre = torch.nonzero(active & prefilling.bool()).flatten()
     pre_kb = (length[pre] + g - 1) // g
-    order = torch.argsort(pre_kb, stable=True)
-    pre, pre_kb = pre[order], pre_kb[order]
+    cont = ctx[pre] > 0
+    order = torch.argsort(pre_kb + cont * (int(pre_kb.max()) + 1 if pre.numel() else 0), stable=True)
+    pre, pre_kb, cont = pre[order], pre_kb[order], cont[order]
     pre_groups = []
-    for first, stop, kb in prefill_groups(pre_kb.tolist()):
-        rows = pre[first:stop]
-        pre_groups.append((first, stop, int(n[rows].max()), kb, not bool(ctx[rows].any())))
+    n_fresh = int((~cont).sum())
+    for offset, kbs in ((0, pre_kb[:n_fresh]), (n_fresh, pre_kb[n_fresh:])):
+        for first, stop, kb in prefill_groups(kbs.tolist()):
+            rows = pre[offset + first:offset + stop]
+            pre_groups.append((offset + first, offset + stop, int(n[rows].max()), kb, not bool(ctx[rows].any())))
     if pre.numel():
         if bool((index.committed[bt[pre]] & in_seq[pre]).any()):
             raise RuntimeError("kvarn: a prefilling request reads a committed tile")
