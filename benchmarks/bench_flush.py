@@ -16,9 +16,7 @@ import argparse
 import json
 
 import torch
-from triton.testing import do_bench
-
-from triton.testing import do_bench_cudagraph
+from triton.testing import do_bench, do_bench_cudagraph
 
 from kvarn import kernels
 from kvarn.cache.store import TileStore
@@ -74,12 +72,12 @@ def main():
                                   return_mode="median") * 1e6 for nw in (4, 16)}
             t_th = do_bench(lambda: torch_encode(k, v, cfg), rep=100, return_mode="median") * 1e-3
             per = m // LAYERS  # one layer's K (or V) tiles
-            outs = [kernels.encode_tiles(k[i * per:(i + 1) * per], v[i * per:(i + 1) * per], cfg)
-                    for i in range(LAYERS)]
+            layers = [(k[i * per:(i + 1) * per], v[i * per:(i + 1) * per]) for i in range(LAYERS)]
+            outs = [kernels.encode_tiles(lk, lv, cfg) for lk, lv in layers]
 
             def per_layer():
-                for i, o in enumerate(outs):
-                    kernels.encode_tiles(k[i * per:(i + 1) * per], v[i * per:(i + 1) * per], cfg, out=o)
+                for (lk, lv), o in zip(layers, outs):
+                    kernels.encode_tiles(lk, lv, cfg, out=o)
 
             t_layers = do_bench_cudagraph(per_layer, rep=100, return_mode="median") * 1e-3
             t_path = cache_path_us(cfg, b, dev) * 1e-6

@@ -81,7 +81,7 @@ def normalize_iterates(x: torch.Tensor, iters: int = 8) -> tuple[torch.Tensor, t
     module docstring). The kernels' tests use it to show that a tile where the Triton encoder kept
     another iterate is a tie up to fp32 rounding."""
     if x.dtype != torch.float32:
-        raise TypeError(f"variance_normalize expects float32 tiles, got {x.dtype}")
+        raise TypeError(f"the normalization expects float32 tiles, got {x.dtype}")
     a = x.new_zeros(*x.shape[:-2], x.shape[-1])
     b = x.new_zeros(*x.shape[:-2], x.shape[-2])
     ws = _Workspace(x)

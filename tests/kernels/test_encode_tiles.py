@@ -14,7 +14,7 @@ import torch
 from kvarn.codec import FIELD_ORDER, TileFields, _encode_one, encode_tiles as torch_encode
 from kvarn.codec import fields_to_records
 from kvarn.config import KVarNConfig
-from kvarn.normalize import normalize_iterates
+from kvarn.normalize import _apply, normalize_iterates
 from kvarn.pack import unpack_codes
 
 from kernel_data import rotated_tiles, synthetic_kv
@@ -56,7 +56,7 @@ def tie_adjusted(out, ref, k_tiles, v_tiles, config):
         gap = (score.gather(1, pick[:, None])[:, 0] - score.amin(-1)) / score.amin(-1)
         assert (gap <= SCORE_TIE).all(), f"{side}: the kernel kept an iterate {gap.max():.2e} worse than the best"
         ca, cb = at(a), at(b)
-        y = xs / (torch.exp(cb)[:, :, None] * torch.exp(ca)[:, None, :])
+        y = _apply(xs, ca, cb)
         codes, scale, zero, colf = _encode_one(xs, bits, config.sinkhorn_iters, config.quantile,
                                                normalized=(y, torch.exp(ca), torch.exp(cb)))
         for name, val in ((f"{side}_codes", codes), (f"{side}_row_scale", scale), (f"{side}_row_zero", zero),

@@ -243,10 +243,10 @@ def build_plan(index: StagingIndex, tile: int, sink_tokens: int, query_start_loc
     pre, pre_kb, cont = pre[order], pre_kb[order], cont[order]
     pre_groups = []
     n_fresh = int((~cont).sum())
-    for offset, kbs in ((0, pre_kb[:n_fresh]), (n_fresh, pre_kb[n_fresh:])):
+    for offset, kbs, fresh in ((0, pre_kb[:n_fresh], True), (n_fresh, pre_kb[n_fresh:], False)):
         for first, stop, kb in prefill_groups(kbs.tolist()):
             rows = pre[offset + first:offset + stop]
-            pre_groups.append((offset + first, offset + stop, int(n[rows].max()), kb, not bool(ctx[rows].any())))
+            pre_groups.append((offset + first, offset + stop, int(n[rows].max()), kb, fresh))
     if pre.numel():
         if bool((index.committed[bt[pre]] & in_seq[pre]).any()):
             raise RuntimeError("kvarn: a prefilling request reads a committed tile")
