@@ -19,7 +19,9 @@ Caches (``--caches``), every ratio against ``fp16_flash`` measured in the same r
 - ``kvarn:PRESET``: fused kvarn (``attn_implementation="kvarn"`` over ``KVarNCache`` packed tiles)
   through ``generate``, eager.
 - ``kvarn_graph:PRESET``: fused kvarn with reserved storage, decode step captured in CUDA graphs by
-  ``decode_greedy`` (on CPU: its replay simulation).
+  ``decode_greedy`` (on CPU: its replay simulation); a flush step starts its encodes on a side stream.
+- ``kvarn_graph_inline:PRESET``: the same with ``flush_ahead=False`` (each layer encodes inside its
+  update, on the step's stream), to measure what the side stream saves.
 
 The history is written straight into each cache (random K/V, in chunks: speed does not depend on
 values), then ``--new`` greedy tokens are generated; step time = median gap between per-step
@@ -202,7 +204,7 @@ def register_flash_decode():
 
 
 def make_cache(model, kind: str, max_len: int):
-    """(cache, decode: "generate" | "generate_compiled" | "graph")."""
+    """(cache, decode: "generate" | "generate_compiled" | "graph" | "graph_inline" | "graph_per_step")."""
     name, _, preset = kind.partition(":")
     n_layers = model.config.num_hidden_layers
     if name == "fp16_flash_graph":
@@ -219,10 +221,12 @@ def make_cache(model, kind: str, max_len: int):
         return StaticCache(config=model.config, max_cache_len=max_len), mode
     if name == "kvarn" and preset:
         return hf_attention.fused_cache(model, preset), "generate"
-    if name == "kvarn_graph" and preset:
-        return hf_attention.fused_cache(model, preset, max_length=max_len), "graph"
+    if name in ("kvarn_graph", "kvarn_graph_inline") and preset:
+        return hf_attention.fused_cache(model, preset, max_length=max_len), \
+            "graph" if name == "kvarn_graph" else "graph_inline"
     raise ValueError(f"unknown cache {kind!r}; valid: fp16_flash, fp16_flash_graph, fp16_dynamic, fp16_static, "
-                     "fp16_static_compiled, fp16_static_graph, kvarn:PRESET, kvarn_graph:PRESET")
+                     "fp16_static_compiled, fp16_static_graph, kvarn:PRESET, kvarn_graph:PRESET, "
+                     "kvarn_graph_inline:PRESET")
 
 
 def fill(cache, cfg, b, t, chunk, device):
@@ -321,9 +325,9 @@ def run_one(model, kind, b, context, new, chunk, device):
             if not cuda:
                 raise ValueError("fp16_flash_graph needs CUDA graphs (--device cuda)")
             decode_graph_per_step(model, cache, ids[:, -1:], new, clock)
-        elif decode == "graph":
+        elif decode in ("graph", "graph_inline"):
             hf_graph.decode_greedy(model, cache, ids[:, -1:], new, capture="cuda" if cuda else "simulate",
-                                   on_step=clock.tick)
+                                   on_step=clock.tick, flush_ahead=decode == "graph")
         else:
             model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                            logits_processor=[clock], attention_mask=torch.ones_like(ids),

@@ -64,6 +64,7 @@ class FusedKVarNLayer(KVarNLayer):
         self.max_length = max_length
         self._dev_len = None
         self._lockstep = False
+        self._ahead = None  # (length, True or CUDA event): the flush flush_ahead started at that length
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -76,7 +77,7 @@ class FusedKVarNLayer(KVarNLayer):
 
     def reset(self) -> None:
         super().reset()
-        self._dev_len, self._lockstep = None, False
+        self._dev_len, self._lockstep, self._ahead = None, False, None
 
     # host plan -> device copy -------------------------------------------------------------------
     def _sync_lengths(self) -> None:
@@ -160,16 +161,49 @@ class FusedKVarNLayer(KVarNLayer):
         marker.kvarn_layer = self
         return marker, marker
 
+    def flush_ahead(self, stream: torch.cuda.Stream | None) -> None:
+        """Start this step's flush before the forward reaches the layer (on ``stream``, a side CUDA
+        stream, when given; at once otherwise). For one-token steps of a steady layer whose tail is
+        exactly its complete tiles: the tiles are the same bits the update would encode, written into
+        the same slots, only earlier and on another stream, so the encoder overlaps the layers
+        before this one (the update waits for it, then advances the lengths). See
+        :func:`kvarn.integrations.hf_graph.decode_greedy`.
+        """
+        n = self.tiles_due()
+        if not n or self.tail_len[0] != n * self.tile or (self._ahead and self._ahead[0] == self.length):
+            return
+        if stream is None:
+            self._encode_due(n)
+            self._ahead = (self.length, True)
+            return
+        # The tail's last token was written on the current stream: the side stream waits for it.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._encode_due(n)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._ahead = (self.length, event)
+
+    def _encode_due(self, n: int) -> None:
+        """Encode the ``n`` complete tiles at the start of the tail into the next slots (read on the device)."""
+        g = self.tile
+        with self.store.codec.deferred():  # no host read in this step (see TritonTileCodec)
+            self.store.encode_into(self.tail_k[:, :, : n * g], self.tail_v[:, :, : n * g], self._dev_len[1, :1].long())
+
     def _flush_device(self) -> None:
         """Encode the complete tiles at the start of the tail (same count in every row) into the
-        next slots; device lengths advanced in place. Host lists are advanced by :meth:`advance`."""
+        next slots, unless :meth:`flush_ahead` did; device lengths advanced in place. Host lists are
+        advanced by :meth:`advance`."""
         n = self.tiles_due()
+        ahead, self._ahead = self._ahead, None
         if not n:
             return
         g = self.tile
         t = self.tail_len[0]
-        with self.store.codec.deferred():  # no host read in this step (see TritonTileCodec)
-            self.store.encode_into(self.tail_k[:, :, : n * g], self.tail_v[:, :, : n * g], self._dev_len[1, :1].long())
+        if ahead is None or ahead[0] != self.length:  # not started for this state (or a stale start)
+            self._encode_due(n)
+        elif ahead[1] is not True:  # wait for the side stream before the tail is overwritten and read
+            torch.cuda.current_stream(self.device).wait_event(ahead[1])
         r = t - n * g
         if r:  # only after a multi-token update; a decode step of one token leaves nothing behind
             self.tail_k[:, :, :r] = self.tail_k[:, :, n * g:t].clone()

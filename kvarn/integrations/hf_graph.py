@@ -14,6 +14,10 @@ Caches that can be captured: :func:`~kvarn.integrations.hf_attention.fused_cache
 A fused step that completes a tile also encodes it, so kvarn has two graphs, ``plain`` and
 ``flush``; the host knows which step is which from its own lengths. Replaying runs none of the
 step's Python, so after each replay the runner advances the host lengths of every fused layer.
+A flush step starts every layer's encode at its beginning, on a side CUDA stream
+(:meth:`~kvarn.integrations.hf_attention.FusedKVarNLayer.flush_ahead`); each layer's update waits
+for its own encode only, so the encodes of later layers overlap the forward of earlier ones (the
+same tiles, bit for bit: only when and on which stream they are encoded changes).
 
 Steps run eagerly until the cache is steady (the first decode step freezes the prompt's tiles on
 the host plan) and each graph has been warmed up by one eager step of its kind (kernel compilation
@@ -154,7 +158,8 @@ class _Graphs:
 
 @torch.no_grad()
 def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *, capture: str = "cuda",
-                  warmup: int = 1, on_step: Callable[[int], None] | None = None) -> torch.Tensor:
+                  warmup: int = 1, on_step: Callable[[int], None] | None = None,
+                  flush_ahead: bool = True) -> torch.Tensor:
     """Greedy tokens ``[B, max_new_tokens]`` after ``input_ids`` ``[B, T]`` (tokens not yet in ``cache``).
 
     The first forward processes ``input_ids`` eagerly (the prefill, or the last prompt token of a
@@ -162,6 +167,8 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
     according to ``capture`` (see the module docstring). ``warmup``: eager steady steps before the
     plain step is captured. ``on_step(i)`` is called on the host after token ``i`` has been queued
     (for example to record a CUDA event); it must not read device values if speed matters.
+    ``flush_ahead``: start a flush step's encodes on a side stream (module docstring); False
+    encodes each layer's tiles inside its update, on the step's stream (same tokens and tiles).
     """
     if capture not in CAPTURE_MODES:
         raise ValueError(f"capture={capture!r}; choose one of {CAPTURE_MODES}")
@@ -184,8 +191,12 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
     out[:, 0] = ids[:, 0]
     if on_step is not None:
         on_step(0)
+    ahead = _fused_layers(cache) if flush_ahead else []
+    flush_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and ahead else None
 
     def step() -> None:
+        for layer in ahead:  # a flush step: every layer's encode starts now (module docstring)
+            layer.flush_ahead(flush_stream)
         step_logits = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
                             logits_to_keep=1).logits
         ids.copy_(step_logits[:, -1:].argmax(-1))

@@ -53,7 +53,8 @@ def test_decode_loop_matches_generate_and_reference(fused_model, kdevice):
     hf_attention.use_fused(model)
     # Over the loop's reserved buffers: the same shapes give the same launch plan (other shapes sum
     # the splits in another order, which can flip a near tie in fp16 on a GPU).
-    fused = model.generate(ids, past_key_values=_fused(model, max_length=PROMPT + NEW), **kw)
+    gen_cache = _fused(model, max_length=PROMPT + NEW)
+    fused = model.generate(ids, past_key_values=gen_cache, **kw)
     runs = {}
     for mode in ("none", "simulate"):
         cache = _fused(model, max_length=PROMPT + NEW)
@@ -62,6 +63,11 @@ def test_decode_loop_matches_generate_and_reference(fused_model, kdevice):
         assert layer.store.counts == [1, 1]  # frozen during decoding, by the captured flush step
         assert layer.tail_len == [PROMPT + NEW - 1 - 2 * 64] * 2
         assert layer._dev_len.tolist() == [[64, 64], [1, 1], layer.tail_len]
+        # The loop's flush started ahead of the forward (on a side stream on a GPU): the same bits
+        # in the same slots as generate's flush inside the update.
+        for a, b in zip(cache.layers, gen_cache.layers):
+            for name, x in a.store.fields.items():
+                assert torch.equal(x, b.store.fields[name]), name
     # The loop runs the same kernels as generate over the same state: identical tokens.
     assert torch.equal(runs["none"], fused.sequences[:, PROMPT:])
     assert torch.equal(runs["simulate"], fused.sequences[:, PROMPT:])
@@ -71,6 +77,29 @@ def test_decode_loop_matches_generate_and_reference(fused_model, kdevice):
     assert same >= (NEW if not HAS_CUDA else 3)
     for a, b in list(zip(fused.logits, ref.logits))[: int(same)]:
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_decode_loop_flushes_ahead_of_the_forward(fused_model, kdevice, monkeypatch):
+    """decode_greedy's flush steps encode in flush_ahead (before the forward), not in the update."""
+    model = fused_model
+    ids = torch.randint(0, 97, (1, PROMPT), device=kdevice)
+    callers = []
+    encode_due = hf_attention.FusedKVarNLayer._encode_due
+
+    def spy(self, n):
+        import inspect
+        callers.append(inspect.stack()[1].function)
+        return encode_due(self, n)
+
+    monkeypatch.setattr(hf_attention.FusedKVarNLayer, "_encode_due", spy)
+    cache = _fused(model, max_length=PROMPT + NEW)
+    hf_graph.decode_greedy(model, cache, ids, NEW, capture="none")
+    assert callers == ["flush_ahead"] * len(cache.layers)  # one flush step, every layer ahead
+    assert cache.layers[0].store.counts == [1] and cache.layers[0]._ahead is None
+    callers.clear()
+    model.generate(ids, past_key_values=_fused(model, max_length=PROMPT + NEW), max_new_tokens=NEW,
+                   do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+    assert callers == ["_flush_device"] * len(cache.layers)  # generate: inside the update, as before
 
 
 def test_simulated_replay_catches_a_host_position(fused_model, kdevice, monkeypatch):

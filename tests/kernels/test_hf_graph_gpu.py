@@ -28,7 +28,7 @@ def model():
     return transformers.LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.float16).eval()
 
 
-def decode_with_logits(model, cache, ids, mode):
+def decode_with_logits(model, cache, ids, mode, **kw):
     """decode_greedy's tokens and the logits each token was chosen from (``[NEW, B, V]``): a hook
     copies the LM head's output into a fixed buffer (captured with the step, so replays refresh it)
     and ``on_step`` saves it after each token."""
@@ -41,7 +41,8 @@ def decode_with_logits(model, cache, ids, mode):
 
     hook = model.lm_head.register_forward_hook(keep)
     try:
-        tokens = hf_graph.decode_greedy(model, cache, ids, NEW, capture=mode, on_step=lambda i: hist[i].copy_(last))
+        tokens = hf_graph.decode_greedy(model, cache, ids, NEW, capture=mode, on_step=lambda i: hist[i].copy_(last),
+                                        **kw)
     finally:
         hook.remove()
     return tokens, hist
@@ -102,3 +103,45 @@ def test_captured_static_cache_decode_matches_eager(model):
         cache = transformers.StaticCache(config=model.config, max_cache_len=PROMPT + NEW)
         out[mode] = decode_with_logits(model, cache, ids, mode)
     assert_same_decoding(*out["cuda"], *out["none"])
+
+
+@pytest.mark.parametrize("mode", ["none", "cuda"])
+def test_flush_ahead_waits_on_both_streams(model, mode, monkeypatch):
+    """A flush step's encodes run on a side stream (flush_ahead). Both waits are stressed with GPU
+    spins: on the step's stream before the flush starts (if the side stream did not wait for it, it
+    would encode the tile before the forward of the step before wrote its last token) and on the
+    side stream before each encode (if an update did not wait for its layer's encode, the next
+    token would overwrite the tail while it is encoded). Either race changes the stored tiles."""
+    from kvarn.integrations import hf_attention, hf_graph
+
+    spin = 20_000_000  # GPU cycles, about 10 ms
+    encode_due, ahead = hf_attention.FusedKVarNLayer._encode_due, hf_attention.FusedKVarNLayer.flush_ahead
+
+    def slow_encode(self, n):
+        torch.cuda._sleep(spin)  # on the stream the encode runs on
+        encode_due(self, n)
+
+    def late_ahead(self, stream):
+        if self.tiles_due():
+            torch.cuda._sleep(spin)  # the step's stream lags behind the host
+        ahead(self, stream)
+
+    monkeypatch.setattr(hf_attention.FusedKVarNLayer, "_encode_due", slow_encode)
+    monkeypatch.setattr(hf_attention.FusedKVarNLayer, "flush_ahead", late_ahead)
+    ids = torch.randint(0, 1000, (2, PROMPT), device="cuda")
+    hf_attention.use_fused(model)
+    try:
+        runs = {}
+        for flag in (False, True):
+            cache = hf_attention.fused_cache(model, "k4v2_g128", max_length=PROMPT + NEW)
+            tokens, logits = decode_with_logits(model, cache, ids, mode, flush_ahead=flag)
+            runs[flag] = tokens, logits, [dict(layer.store.fields) for layer in cache.layers]
+    finally:
+        model.set_attn_implementation("sdpa")
+    if mode == "none":  # the same kernels on the same inputs: bit for bit
+        assert torch.equal(runs[True][0], runs[False][0])
+        for a, b in zip(runs[True][2], runs[False][2]):
+            for name in a:
+                assert torch.equal(a[name], b[name]), name
+    else:  # two captures: the logit bound of the capture tests above
+        assert_same_decoding(*runs[True][:2], *runs[False][:2])
