@@ -27,11 +27,13 @@ The history is written straight into each cache (random K/V, in chunks: speed do
 values), then ``--new`` greedy tokens are generated; step time = median gap between per-step
 events (CUDA events recorded by a logits processor or by ``decode_greedy``'s callback; no host
 synchronization), skipping the first three steps. The history is ``context - new // 2`` tokens, so
-that a kvarn tile completes in the middle of the measured steps: ``flush_step_ms`` is that step
-(every layer encodes one tile), ``flush_over_median`` its excess over the median. Under CUDA-graph
-capture the first such step also captures the freeze graph: with ``--new`` of twice the tile size
-and more (272 at G 128) a second tile completes, and the last flush step is the one reported
-(``flush_steps_ms`` lists all of them).
+that a kvarn tile completes in the middle of the measured steps: ``flush_step_ms`` is the step that
+freezes it (its update encodes one tile per layer, or, under ``decode_greedy``'s default, only
+advances the lengths), ``fill_step_ms`` the step before, whose token completes the tile (where
+``decode_greedy`` starts the encodes, on a side stream); ``freeze_over_median`` (the table's
+"freeze step") is the larger excess of the two over the median step. Under CUDA-graph capture the
+first such steps also capture their graphs: with ``--new`` of twice the tile size and more (272 at
+G 128) a second tile completes, and the last one is reported (``flush_steps_ms`` lists all).
 
 Throughput at capacity (``--capacity-gib``): for each of ``--capacity-caches``, the largest batch
 whose KV (spec section 4 bytes; kvarn with a full tile of tail beside the sink) fits in the budget
@@ -349,6 +351,9 @@ def run_one(model, kind, b, context, new, chunk, device):
         i = flushed[-1]
         row.update(flush_steps=flushed, flush_steps_ms=[gaps[j - 1] for j in flushed], flush_step=i,
                    flush_step_ms=gaps[i - 1], flush_over_median=gaps[i - 1] / step - 1)
+        if i >= 2:  # the step whose token completed the tile (where decode_greedy starts its encode)
+            row.update(fill_step_ms=gaps[i - 2], fill_over_median=gaps[i - 2] / step - 1,
+                       freeze_over_median=max(gaps[i - 2], gaps[i - 1]) / step - 1)
     del cache
     return row
 
@@ -383,14 +388,14 @@ def print_tables(rows, cap_rows):
     statics = ("fp16_static_graph", "fp16_static_compiled")  # the captured StaticCache anchor, either
     if rows:
         print("| context | B | cache | step ms | tokens/s | vs fp16_flash | vs fp16_flash_graph (bound) | "
-              "vs StaticCache captured | flush step | peak GiB | KV GiB stored (spec) |")
+              "vs StaticCache captured | freeze step | peak GiB | KV GiB stored (spec) |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "step_ms" not in r:
             print(f"| {r['context']} | {r['batch']} | {r['cache']} | {r['error'][:60]} | | | | | | | |")
             continue
         static = next((base_of(r, a) for a in statics if base_of(r, a) is not None), None)
-        fl = r.get("flush_over_median")
+        fl = r.get("freeze_over_median", r.get("flush_over_median"))
         print(f"| {r['context']} | {r['batch']} | {r['cache']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | "
               f"{_fmt(base_of(r, 'fp16_flash'), '.2f')}x | {_fmt(base_of(r, 'fp16_flash_graph'), '.2f')}x | "
               f"{_fmt(static, '.2f')}x | "

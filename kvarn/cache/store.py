@@ -225,6 +225,14 @@ class TileStore:
             raise ValueError(f"encode_into needs every row at the same tile count, got {self.counts}")
         g = self.codec.config.tile
         n = keys.shape[2] // g
+        # The Triton codec writes the slots itself (one launch); the first write also sets the
+        # format template, so it goes the general way.
+        direct = getattr(self.codec, "encode_into", None)
+        if self._template is not None and direct is not None:
+            if self.counts[0] + n > self.capacity:
+                self._grow(self.counts[0] + n)
+            if direct(keys, values, self.flavours, TileFields(**self.fields), start):
+                return n
         enc = self.codec.encode(keys, values, self.flavours)
         new = _split(enc, g)  # [B, Hk, n, *per_tile]
         self._first_write(enc, {name: x[:, :, 0] for name, x in new.items()})

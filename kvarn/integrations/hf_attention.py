@@ -65,6 +65,9 @@ class FusedKVarNLayer(KVarNLayer):
         self._dev_len = None
         self._lockstep = False
         self._ahead = None  # (length, True or CUDA event): the flush flush_ahead started at that length
+        # decode_greedy's hook: False, off; else the stream (None: at once) on which the update that
+        # completes a tile starts encoding it (see fill_ahead)
+        self.ahead_stream = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -112,6 +115,10 @@ class FusedKVarNLayer(KVarNLayer):
         """Tiles the next update of a steady layer encodes (complete tiles in the tail)."""
         return self.tail_len[0] // self.tile if self.steady else 0
 
+    def fills(self) -> bool:
+        """True when the next one-token update of a steady layer completes a tile."""
+        return self.steady and (self.tail_len[0] + 1) % self.tile == 0
+
     def advance(self, q: int = 1) -> None:
         """The host side of one steady step of ``q`` tokens (the device side is in the step itself).
 
@@ -154,6 +161,8 @@ class FusedKVarNLayer(KVarNLayer):
         self._append_device(key_states, value_states)
         if steady:
             self.advance(q)
+            if self.ahead_stream is not False and q == 1:
+                self.flush_ahead(self.ahead_stream)  # this token completed a tile: start its encode now
         else:
             self.tail_len = [t + q for t in self.tail_len]
             self.length += q
@@ -162,11 +171,12 @@ class FusedKVarNLayer(KVarNLayer):
         return marker, marker
 
     def flush_ahead(self, stream: torch.cuda.Stream | None) -> None:
-        """Start this step's flush before the forward reaches the layer (on ``stream``, a side CUDA
-        stream, when given; at once otherwise). For one-token steps of a steady layer whose tail is
-        exactly its complete tiles: the tiles are the same bits the update would encode, written into
-        the same slots, only earlier and on another stream, so the encoder overlaps the layers
-        before this one (the update waits for it, then advances the lengths). See
+        """Start the next update's flush now (on ``stream``, a side CUDA stream, when given; at once
+        otherwise), for a steady layer whose tail is exactly its complete tiles: the same bits the
+        update would encode, written into the same slots, only earlier and on another stream. Called
+        by the update whose token completes a tile (with :attr:`ahead_stream` set), so the encode
+        overlaps the rest of that step; the step joins the stream at its end (:meth:`joined`), and
+        the next update, which freezes the tile, only advances the lengths. See
         :func:`kvarn.integrations.hf_graph.decode_greedy`.
         """
         n = self.tiles_due()
@@ -183,6 +193,20 @@ class FusedKVarNLayer(KVarNLayer):
             event = torch.cuda.Event()
             event.record(stream)
         self._ahead = (self.length, event)
+
+    def ahead_pending(self) -> bool:
+        """True while an encode flush_ahead started on a side stream has not been waited for."""
+        return self._ahead is not None and self._ahead[1] is not True
+
+    def joined(self) -> None:
+        """The step joined the side stream: a started flush needs no wait any more (and must not wait
+        on an event recorded in another captured graph)."""
+        if self._ahead is not None:
+            self._ahead = (self._ahead[0], True)
+
+    def encoded_ahead(self) -> None:
+        """The tiles the next update freezes were encoded by the step before (see flush_ahead)."""
+        self._ahead = (self.length, True)
 
     def _encode_due(self, n: int) -> None:
         """Encode the ``n`` complete tiles at the start of the tail into the next slots (read on the device)."""

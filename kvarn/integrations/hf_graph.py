@@ -11,13 +11,19 @@ mask is passed (rows in lockstep need none), so transformers builds none.
 Caches that can be captured: :func:`~kvarn.integrations.hf_attention.fused_cache` with
 ``max_length`` (every row at the same length, i.e. no left padding; see
 :class:`~kvarn.integrations.hf_attention.FusedKVarNLayer`) and transformers' ``StaticCache``.
-A fused step that completes a tile also encodes it, so kvarn has two graphs, ``plain`` and
-``flush``; the host knows which step is which from its own lengths. Replaying runs none of the
-step's Python, so after each replay the runner advances the host lengths of every fused layer.
-A flush step starts every layer's encode at its beginning, on a side CUDA stream
-(:meth:`~kvarn.integrations.hf_attention.FusedKVarNLayer.flush_ahead`); each layer's update waits
-for its own encode only, so the encodes of later layers overlap the forward of earlier ones (the
-same tiles, bit for bit: only when and on which stream they are encoded changes).
+A tile is encoded by the fused step after the one whose token completes it (the tile stays in
+full precision while it is the unfinished last one, as the spec says), so steps come in kinds,
+each its own graph: ``plain``; ``fill``, whose token completes a tile; ``flush``, which freezes it.
+The host knows which step is which from its own lengths. Replaying runs none of the step's Python,
+so after each replay the runner advances the host lengths of every fused layer.
+With ``flush_ahead`` (the default) the encode starts in the ``fill`` step, on a side CUDA stream,
+as soon as each layer has written the token that completes its tile
+(:meth:`~kvarn.integrations.hf_attention.FusedKVarNLayer.flush_ahead`): it overlaps the rest of
+that step and is joined at its end, and the ``flush`` step only advances the lengths. The stored
+tiles are the same bits, written into the same slots; the decode reads a tile only from the step
+that freezes it, as without the side stream. (A freeze not prepared by a fill step, e.g. after the
+host plan, is ``flush_inline``: its encodes start at the step's beginning on the side stream and
+each layer's update waits for its own.)
 
 Steps run eagerly until the cache is steady (the first decode step freezes the prompt's tiles on
 the host plan) and each graph has been warmed up by one eager step of its kind (kernel compilation
@@ -83,12 +89,18 @@ class _Graphs:
         self.cache, self.step, self.mode, self.warmup = cache, step, mode, warmup
         self.fused = _fused_layers(cache)
         self.graphs: dict[str, object] = {}
-        self.eager_runs: dict[str, int] = {"plain": 0, "flush": 0}
+        self.eager_runs: dict[str, int] = {}
+        self.ahead = False  # set by decode_greedy: fill steps start their tiles' encodes
+        self.last = None  # the kind of the previous step, when it was steady
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.stream = torch.cuda.Stream() if mode == "cuda" else None
 
     def kind(self) -> str:
-        return "flush" if any(layer.tiles_due() for layer in self.fused) else "plain"
+        if any(layer.tiles_due() for layer in self.fused):
+            return "flush" if self.ahead and self.last == "fill" else "flush_inline"
+        if self.ahead and any(layer.fills() for layer in self.fused):
+            return "fill"
+        return "plain"
 
     def steady(self) -> bool:
         return all(layer.steady for layer in self.fused)
@@ -108,9 +120,17 @@ class _Graphs:
         if self.mode == "none" or not self.steady():
             return False
         if kind == "plain":
-            return self.eager_runs["plain"] >= self.warmup
-        # The flush runs the encoder: capture once it has run eagerly (the prompt's freeze counts).
-        return any(layer.store.counts[0] > 0 for layer in self.fused) or self.eager_runs["flush"] > 0
+            return self.eager_runs.get("plain", 0) >= self.warmup
+        # The other kinds run the encoder: capture once it has run eagerly (the prompt's freeze counts).
+        return any(layer.store.counts[0] > 0 for layer in self.fused) or any(
+            self.eager_runs.get(k, 0) for k in ("fill", "flush_inline"))
+
+    def _run_step(self, kind: str) -> None:
+        """The step's Python (eagerly, or recorded), told what the host knows of its kind."""
+        if kind == "flush":  # the fill step before encoded these tiles and joined its side stream
+            for layer in self.fused:
+                layer.encoded_ahead()
+        self.step()
 
     def _capture(self, kind: str):
         before = self._host_state()
@@ -118,7 +138,7 @@ class _Graphs:
             graph = torch.cuda.CUDAGraph()
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-                self.step()
+                self._run_step(kind)
             torch.cuda.current_stream().wait_stream(self.stream)
         else:
             graph = before  # simulate: the host state the step saw when it was "recorded"
@@ -133,13 +153,14 @@ class _Graphs:
         else:
             now = self._host_state()
             self._set_host_state(graph)
-            self.step()
+            self._run_step(kind)
             self._set_host_state(now)
         self._advance()
 
     def run(self) -> None:
         """One decode step: replayed when its graph exists (capturing it first when ready), else eager."""
         kind = self.kind()
+        self.last = kind if self.steady() else None
         if kind not in self.graphs and self._ready(kind):
             self.graphs[kind] = self._capture(kind)
         if kind in self.graphs:
@@ -148,12 +169,12 @@ class _Graphs:
         if self.stream is not None:  # warm-up on the capture stream: per-stream workspaces exist before capture
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
-                self.step()
+                self._run_step(kind)
             torch.cuda.current_stream().wait_stream(self.stream)
         else:
-            self.step()
+            self._run_step(kind)
         if self.steady():
-            self.eager_runs[kind] += 1
+            self.eager_runs[kind] = self.eager_runs.get(kind, 0) + 1
 
 
 @torch.no_grad()
@@ -167,8 +188,9 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
     according to ``capture`` (see the module docstring). ``warmup``: eager steady steps before the
     plain step is captured. ``on_step(i)`` is called on the host after token ``i`` has been queued
     (for example to record a CUDA event); it must not read device values if speed matters.
-    ``flush_ahead``: start a flush step's encodes on a side stream (module docstring); False
-    encodes each layer's tiles inside its update, on the step's stream (same tokens and tiles).
+    ``flush_ahead``: start each tile's encode in the step that completes it, on a side stream
+    (module docstring); False encodes each layer's tiles inside the update that freezes them, on
+    the step's stream (same tokens and tiles).
     """
     if capture not in CAPTURE_MODES:
         raise ValueError(f"capture={capture!r}; choose one of {CAPTURE_MODES}")
@@ -195,17 +217,30 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
     flush_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and ahead else None
 
     def step() -> None:
-        for layer in ahead:  # a flush step: every layer's encode starts now (module docstring)
+        for layer in ahead:  # a freeze no fill step prepared: every layer's encode starts now
             layer.flush_ahead(flush_stream)
         step_logits = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
                             logits_to_keep=1).logits
         ids.copy_(step_logits[:, -1:].argmax(-1))
         pos.add_(1)
+        # A captured step must join every stream it forked, and only those (waiting on the side
+        # stream when this step queued nothing there would depend on work outside the capture).
+        if flush_stream is not None and any(layer.ahead_pending() for layer in ahead):
+            torch.cuda.current_stream(dev).wait_stream(flush_stream)
+        for layer in ahead:
+            layer.joined()
 
     graphs = _Graphs(cache, step, capture, warmup)
-    for i in range(1, max_new_tokens):
-        graphs.run()
-        out[:, i] = ids[:, 0]
-        if on_step is not None:
-            on_step(i)
+    graphs.ahead = bool(ahead)
+    for layer in ahead:
+        layer.ahead_stream = flush_stream
+    try:
+        for i in range(1, max_new_tokens):
+            graphs.run()
+            out[:, i] = ids[:, 0]
+            if on_step is not None:
+                on_step(i)
+    finally:
+        for layer in ahead:
+            layer.ahead_stream = False
     return out

@@ -309,7 +309,8 @@ def decode_attention(
     m = max(4, triton.next_power_of_2(group * tq))
     scale = (1.0 / math.sqrt(d) if scaling is None else float(scaling)) * LOG2E
     flagged = key_rotated is not None or value_rotated is not None  # else the spec: no flags read
-    krot, vrot = (head_flags(x, b, hk, name, dev).to(torch.int8).contiguous() if flagged else None
+    # Read as bytes through a view (no conversion kernel per call: that was 4-6 µs of a 20 µs call).
+    krot, vrot = (head_flags(x, b, hk, name, dev).contiguous().view(torch.int8) if flagged else None
                   for x, name in ((key_rotated, "key_rotated"), (value_rotated, "value_rotated")))
 
     # An absent sink or tail has capacity 0, so the placeholder (the query) is never read.

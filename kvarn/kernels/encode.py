@@ -6,18 +6,26 @@ iterate per tile, identity included, ties to the later iterate), then rows are r
 even (spec section 3), packed low bits first (spec section 4; code matrices stored transposed, as :mod:`kvarn.codec`
 says) and the fp16 fields are stored.
 
+The tiles come in rotated, or in the model frame (``rotate``): then the kernel rotates each token
+itself (spec section 1, in fp32), so a cache's flush is one launch from its fp16 tail to its
+reserved slots (``slot``), with the range check as a device flag (``bad``) instead of a host read.
+
 kvarn-auto: ``normalize`` flags per tile switch the normalization off for K or V of that tile: the
 identity stays the chosen iterate, so the column scales are exactly 1 and only the RTN step is
-stored, as :mod:`kvarn.flavour` encodes with T = 0. (The rotation is applied, or not, by the caller,
-before the tiles reach the kernel.)
+stored, as :mod:`kvarn.flavour` encodes with T = 0; ``rotate`` flags per tile say which tiles are
+rotated (the others are stored in the model frame).
 
 Differences from the torch twin, by design: the unbiased standard deviations are two-pass sums in a
-different reduction order and ``exp``/``log`` come from the GPU's math library, so a scale can differ
-by one fp16 ulp and a code that sits on a rounding boundary can move by one step (rarely: see the
-kernel tests). Quantile ranges (``config.quantile > 0``) are not implemented here: ValueError.
+different reduction order, two of each iteration's four are derived from earlier ones (see
+``_encode_one``), and ``exp``/``log`` come from the GPU's math library, so a scale can differ by one
+fp16 ulp, a code that sits on a rounding boundary can move by one step, and where two iterates score
+the same imbalance up to fp32 rounding the kernel may keep the other one (rarely: see the kernel
+tests). Quantile ranges (``config.quantile > 0``) are not implemented here: ValueError.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -25,6 +33,7 @@ import triton.language as tl
 
 from ..codec import TileFields
 from ..config import KVarNConfig
+from .decode_blocks import hadamard_rows
 from .layout import check_device, check_fields, empty_fields, lead_strides
 
 _RNE_MAGIC = 12582912.0  # 1.5 * 2^23: (x + M) - M rounds fp32 x to nearest even for |x| < 2^22
@@ -46,9 +55,8 @@ def _ustd_rows(y, C: tl.constexpr):
 
 
 @triton.jit
-def _imbalance(y, R: tl.constexpr, C: tl.constexpr):
-    cs = _ustd_cols(y, R)
-    rs = _ustd_rows(y, C)
+def _score(cs, rs):
+    """The spec's imbalance from the column and row standard deviations."""
     return tl.max(cs, axis=0) / tl.maximum(tl.min(cs, axis=0), 1e-8) + tl.max(rs, axis=0) / tl.maximum(
         tl.min(rs, axis=0), 1e-8
     )
@@ -56,26 +64,33 @@ def _imbalance(y, R: tl.constexpr, C: tl.constexpr):
 
 @triton.jit
 def _encode_one(
-    x_ptr, x_tile, x_sr, x_sc,
-    codes_ptr, codes_off, rs_ptr, rs_off, rz_ptr, rz_off, cs_ptr, cs_off,
-    norm, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+    x, codes_ptr, codes_off, rs_ptr, rs_off, rz_ptr, rz_off, cs_ptr, cs_off, bad_ptr,
+    norm, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr, CHECK: tl.constexpr,
 ):
+    """Normalize, round, pack and store one fp32 tile ``x [R, C]`` (rotated frame)."""
     rows = tl.arange(0, R)
     cols = tl.arange(0, C)
-    x = tl.load(x_ptr + x_tile + rows[:, None] * x_sr + cols[None, :] * x_sc).to(tl.float32)
-
     a = tl.zeros([C], dtype=tl.float32)
     b = tl.zeros([R], dtype=tl.float32)
-    best = _imbalance(x, R, C)
+    # Two of the four deviations an iteration of the spec takes are known without a pass over the
+    # tile: the column update uses the columns' deviations the last score took (same Y), and a
+    # row update scales each row, so the rows' deviations after it are the ones before it times
+    # exp(b_old - b_new). Two reductions over the tile per iteration instead of four.
+    cs = _ustd_cols(x, R)
+    rs = _ustd_rows(x, C)
+    best = _score(cs, rs)
     best_a = a
     best_b = b
-    y = x
     for _ in range(ITERS):
-        a = tl.minimum(tl.maximum(a + tl.log(tl.minimum(tl.maximum(_ustd_cols(y, R), 1e-3), 1e3)), -0.3), 10.0)
+        a = tl.minimum(tl.maximum(a + tl.log(tl.minimum(tl.maximum(cs, 1e-3), 1e3)), -0.3), 10.0)
         y = x / (tl.exp(b)[:, None] * tl.exp(a)[None, :])
-        b = tl.minimum(tl.maximum(b + tl.log(tl.minimum(tl.maximum(_ustd_rows(y, C), 1e-3), 1e3)), -0.3), 10.0)
+        rs = _ustd_rows(y, C)
+        b_new = tl.minimum(tl.maximum(b + tl.log(tl.minimum(tl.maximum(rs, 1e-3), 1e3)), -0.3), 10.0)
+        rs = rs * tl.exp(b - b_new)
+        b = b_new
         y = x / (tl.exp(b)[:, None] * tl.exp(a)[None, :])
-        m = _imbalance(y, R, C)
+        cs = _ustd_cols(y, R)
+        m = _score(cs, rs)
         take = (m <= best) & norm  # ties go to the later iterate; without normalization: the identity
         best = tl.where(take, m, best)
         best_a = tl.where(take, a, best_a)
@@ -103,9 +118,36 @@ def _encode_one(
     pcols = tl.arange(0, CB)
     # Stored transposed, [C / P, R] (the code byte order of kvarn.codec).
     tl.store(codes_ptr + codes_off + pcols[None, :] * R + rows[:, None], packed.to(tl.uint8))
-    tl.store(rs_ptr + rs_off + rows, (row_scale * step).to(tl.float16))
-    tl.store(rz_ptr + rz_off + rows, (row_scale * lo).to(tl.float16))
-    tl.store(cs_ptr + cs_off + cols, col_scale.to(tl.float16))
+    rs = (row_scale * step).to(tl.float16)
+    rz = (row_scale * lo).to(tl.float16)
+    cs = col_scale.to(tl.float16)
+    tl.store(rs_ptr + rs_off + rows, rs)
+    tl.store(rz_ptr + rz_off + rows, rz)
+    tl.store(cs_ptr + cs_off + cols, cs)
+    if CHECK:  # a non-finite stored scale (fp16 overflow) flags the launch; read later, off the step
+        inf: tl.constexpr = float("inf")
+        bad = (tl.sum(((tl.abs(rs.to(tl.float32)) == inf) | (rs != rs) | (tl.abs(rz.to(tl.float32)) == inf)
+                       | (rz != rz)).to(tl.int32), axis=0)
+               + tl.sum(((tl.abs(cs.to(tl.float32)) == inf) | (cs != cs)).to(tl.int32), axis=0))
+        if bad > 0:
+            tl.atomic_or(bad_ptr, 1)
+
+
+@triton.jit
+def _load_tile(ptr, off, s_r, s_c, R: tl.constexpr, C: tl.constexpr):
+    rows = tl.arange(0, R)
+    cols = tl.arange(0, C)
+    return tl.load(ptr + off + rows[:, None] * s_r + cols[None, :] * s_c).to(tl.float32)
+
+
+@triton.jit
+def _rotate(x, D: tl.constexpr, inv_sqrt_d):
+    """``x @ H`` of fp32 rows ``x [R, D]``. The MMAs take fp16 halves of their input, so the tile is
+    brought to a largest magnitude of at most 1 by a power of two first (and back after): values
+    past the fp16 range (bf16 or fp32 models) and tiny ones keep fp32's relative precision."""
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    scale = tl.exp2(tl.where(amax > 0, tl.ceil(tl.log2(amax)), 0.0))
+    return hadamard_rows(x / scale, D) * (inv_sqrt_d * scale)
 
 
 @triton.jit
@@ -115,61 +157,100 @@ def _field_offset(i0, i1, i2, s0, s1, s2):
 
 @triton.jit
 def _encode_tiles_kernel(
-    k_ptr, k_st, k_sr, k_sc, v_ptr, v_st, v_sr, v_sc,
+    k_ptr, k_s0, k_s1, k_s2, k_sr, k_sc, v_ptr, v_s0, v_s1, v_s2, v_sr, v_sc,
     kc_ptr, kc_s0, kc_s1, kc_s2, ks_ptr, ks_s0, ks_s1, ks_s2,
     kz_ptr, kz_s0, kz_s1, kz_s2, kr_ptr, kr_s0, kr_s1, kr_s2,
     vc_ptr, vc_s0, vc_s1, vc_s2, vcs_ptr, vcs_s0, vcs_s1, vcs_s2,
     vs_ptr, vs_s0, vs_s1, vs_s2, vz_ptr, vz_s0, vz_s1, vz_s2,
-    N1, N2, norm_ptr,
+    N1, N2, flag_ptr, slot_ptr, bad_ptr, inv_sqrt_d,
     D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, ROTATE: tl.constexpr, HAS_ROT: tl.constexpr, HAS_SLOT: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    if HAS_NORM:  # [tiles, 2] int8: K, V normalized
-        norm = tl.load(norm_ptr + tile * 2 + tl.program_id(1)) != 0
+    kv = tl.program_id(1)  # 0: the K tile, 1: the V tile
+    if HAS_NORM:  # flags [tiles, 4] int8: K, V normalized; K, V rotated
+        norm = tl.load(flag_ptr + tile * 4 + kv) != 0
     else:
         norm = True
+    if HAS_ROT:
+        rot = tl.load(flag_ptr + tile * 4 + 2 + kv) != 0
+    else:
+        rot = True
     i2 = tile % N2
     i1 = (tile // N2) % N1
     i0 = tile // (N1 * N2)
-    t64 = tile.to(tl.int64)
-    if tl.program_id(1) == 0:
+    o2 = i2
+    if HAS_SLOT:  # the fields have a capacity axis: tile i2 goes to slot + i2 (read on the device)
+        o2 = i2 + tl.load(slot_ptr).to(tl.int32)
+    if kv == 0:
+        off = _field_offset(i0, i1, i2, k_s0, k_s1, k_s2)
+        if ROTATE:  # model-frame keys: rotate each token (rows of [G, D]), then the tile is [D, G]
+            xt = _load_tile(k_ptr, off, k_sc, k_sr, G, D)
+            if rot:
+                xt = _rotate(xt, D, inv_sqrt_d)
+            xk = tl.trans(xt)
+        else:
+            xk = _load_tile(k_ptr, off, k_sr, k_sc, D, G)
         _encode_one(
-            k_ptr, t64 * k_st, k_sr, k_sc,
-            kc_ptr, _field_offset(i0, i1, i2, kc_s0, kc_s1, kc_s2),
-            ks_ptr, _field_offset(i0, i1, i2, ks_s0, ks_s1, ks_s2),
-            kz_ptr, _field_offset(i0, i1, i2, kz_s0, kz_s1, kz_s2),
-            kr_ptr, _field_offset(i0, i1, i2, kr_s0, kr_s1, kr_s2),
-            norm, D, G, KB, ITERS,
+            xk,
+            kc_ptr, _field_offset(i0, i1, o2, kc_s0, kc_s1, kc_s2),
+            ks_ptr, _field_offset(i0, i1, o2, ks_s0, ks_s1, ks_s2),
+            kz_ptr, _field_offset(i0, i1, o2, kz_s0, kz_s1, kz_s2),
+            kr_ptr, _field_offset(i0, i1, o2, kr_s0, kr_s1, kr_s2),
+            bad_ptr, norm, D, G, KB, ITERS, CHECK,
         )
     else:
+        xv = _load_tile(v_ptr, _field_offset(i0, i1, i2, v_s0, v_s1, v_s2), v_sr, v_sc, G, D)
+        if ROTATE:
+            if rot:
+                xv = _rotate(xv, D, inv_sqrt_d)
         _encode_one(
-            v_ptr, t64 * v_st, v_sr, v_sc,
-            vc_ptr, _field_offset(i0, i1, i2, vc_s0, vc_s1, vc_s2),
-            vs_ptr, _field_offset(i0, i1, i2, vs_s0, vs_s1, vs_s2),
-            vz_ptr, _field_offset(i0, i1, i2, vz_s0, vz_s1, vz_s2),
-            vcs_ptr, _field_offset(i0, i1, i2, vcs_s0, vcs_s1, vcs_s2),
-            norm, G, D, VB, ITERS,
+            xv,
+            vc_ptr, _field_offset(i0, i1, o2, vc_s0, vc_s1, vc_s2),
+            vs_ptr, _field_offset(i0, i1, o2, vs_s0, vs_s1, vs_s2),
+            vz_ptr, _field_offset(i0, i1, o2, vz_s0, vz_s1, vz_s2),
+            vcs_ptr, _field_offset(i0, i1, o2, vcs_s0, vcs_s1, vcs_s2),
+            bad_ptr, norm, G, D, VB, ITERS, CHECK,
         )
 
 
-def _flat_tiles(x: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-2], x.shape[-1]) if lead else x[None]
+def _lead3(x: torch.Tensor, n_lead: int) -> tuple[int, ...]:
+    """The three leading strides the kernel indexes with (missing leading dims: stride 0)."""
+    return (0,) * (3 - n_lead) + tuple(x.stride(i) for i in range(n_lead))
+
+
+def _tile_flags(pairs, lead, name, device) -> list[torch.Tensor]:
+    if len(pairs) != 2 or any(not isinstance(x, torch.Tensor) or x.dtype != torch.bool
+                              or tuple(x.shape) != lead for x in pairs):
+        raise ValueError(f"{name} must be (keys, values), bool tensors of shape {lead} (one flag per tile)")
+    return [x.reshape(-1).to(device) for x in pairs]
 
 
 def encode_tiles(
     k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConfig, out: TileFields | None = None,
-    *, normalize: tuple[torch.Tensor, torch.Tensor] | None = None, num_warps: int | None = None,
+    *, normalize: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rotate: bool | tuple[torch.Tensor, torch.Tensor] | None = None, slot: torch.Tensor | None = None,
+    bad: torch.Tensor | None = None, num_warps: int | None = None,
 ) -> TileFields:
-    """Quantize rotated tiles in one launch. k_tiles: ``[..., D, G]``, v_tiles: ``[..., G, D]``.
+    """Quantize tiles in one launch. k_tiles: ``[..., D, G]``, v_tiles: ``[..., G, D]``.
 
     Any float dtype and strides (a transposed view of ``[..., G, D]`` keys is fine). ``out``:
     optional TileFields to write into (for example :func:`record_fields_view` of a cache's record
     buffer at the tiles being flushed), leading dims equal to the inputs' (at most 3 of them).
     Returns the written TileFields. ``normalize``: kvarn-auto's ``(key_normalize, value_normalize)``,
     bool tensors of the leading shape (per tile); False keeps that tile unnormalized (module
-    docstring); None normalizes every tile, the spec. ``num_warps``: a tuning knob (default: 8, 16
-    for tiles over 16K elements), no effect on results.
+    docstring); None normalizes every tile, the spec.
+
+    ``rotate``: None, the tiles are in the rotated frame already; True, they are in the model frame
+    and the kernel rotates every token (``x @ H`` in fp32, two small MMAs per row block, as the
+    decode kernel rotates its query; 32 <= D <= 256); ``(key_rotate, value_rotate)``, bool per tile
+    like ``normalize``: only those (kvarn-auto; the others are stored in the model frame).
+    ``slot``: long ``[1]`` on the device; ``out`` then has 3 leading dims whose last is a capacity,
+    and input tile ``(i, j, n)`` is written at ``(i, j, slot + n)`` (read on the device, so a captured
+    CUDA graph writes each replay's tiles at the slot of that replay). ``bad``: int32 ``[1]`` on the
+    device, set to 1 if a stored fp16 scale is non-finite (the range check without a host read).
+    ``num_warps``: a tuning knob (default: 8, 16 for tiles over 16K elements), no effect on results.
     """
     if not isinstance(config, KVarNConfig):
         raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")
@@ -186,38 +267,57 @@ def encode_tiles(
     if len(lead) > 3:
         raise ValueError(f"at most 3 leading dims are supported, got {lead}")
     config.record_bytes(d)  # validates head_dim
+    if rotate is not None and rotate is not True and not isinstance(rotate, tuple):
+        raise ValueError(f"rotate must be None, True or (key_rotate, value_rotate), got {rotate!r}")
+    if rotate is not None and not (32 <= d <= 256):
+        raise ValueError(f"rotation inside the encoder needs 32 <= D <= 256, got D={d}")
     check_device(k_tiles, v_tiles)
-    if out is None:
-        out = empty_fields(lead, config, d, k_tiles.device)
-    check_fields(out, lead, config, d)
+    dev = k_tiles.device
+    if slot is not None:
+        if len(lead) != 3 or out is None:
+            raise ValueError("slot needs 3 leading dims and out fields with a capacity axis")
+        if not isinstance(slot, torch.Tensor) or slot.dtype != torch.long or slot.numel() != 1:
+            raise ValueError(f"slot must be a long tensor of one element, got {slot!r}")
+        check_fields(out, (*lead[:2], out.k_codes.shape[2]), config, d)
+    else:
+        if out is None:
+            out = empty_fields(lead, config, d, dev)
+        check_fields(out, lead, config, d)
+    if bad is not None and (not isinstance(bad, torch.Tensor) or bad.dtype != torch.int32 or bad.numel() != 1):
+        raise ValueError(f"bad must be an int32 tensor of one element, got {bad!r}")
     n_tiles = 1
     for s in lead:
         n_tiles *= s
     if n_tiles == 0:
         return out
     sizes = (1,) * (3 - len(lead)) + lead
+    flags = []
     if normalize is not None:
-        if len(normalize) != 2 or any(not isinstance(x, torch.Tensor) or x.dtype != torch.bool
-                                      or tuple(x.shape) != lead for x in normalize):
-            raise ValueError(f"normalize must be (key_normalize, value_normalize), bool tensors of shape {lead}")
-        norm = torch.stack([x.reshape(-1) for x in normalize], dim=1).to(device=k_tiles.device, dtype=torch.int8)
-    else:
-        norm = k_tiles  # a placeholder, never read (HAS_NORM is False): no allocation and fill per flush
-    kt, vt = _flat_tiles(k_tiles, lead), _flat_tiles(v_tiles, lead)
+        flags = _tile_flags(normalize, lead, "normalize", dev)
+    if isinstance(rotate, tuple):
+        rot = _tile_flags(rotate, lead, "rotate", dev)
+        flags = (flags or [torch.ones(n_tiles, dtype=torch.bool, device=dev)] * 2) + rot
+    elif flags:
+        flags = flags + flags  # rotation flags unread (HAS_ROT is False): any values
+    # A placeholder when absent (never read): no allocation and fill per flush.
+    flag_t = torch.stack(flags, dim=1).to(torch.int8) if flags else k_tiles
+    n_lead = len(lead)
 
     def strides(name, inner):
-        s = lead_strides(getattr(out, name), len(lead), inner)
-        return (0,) * (3 - len(lead)) + s
+        return (0,) * (3 - n_lead) + lead_strides(getattr(out, name), n_lead, inner)
 
     args = []
     for name, inner in (("k_codes", 2), ("k_row_scale", 1), ("k_row_zero", 1), ("k_col_scale", 1),
                         ("v_codes", 2), ("v_col_scale", 1), ("v_row_scale", 1), ("v_row_zero", 1)):
         args += [getattr(out, name), *strides(name, inner)]
     _encode_tiles_kernel[(n_tiles, 2)](
-        kt, kt.stride(0), kt.stride(1), kt.stride(2), vt, vt.stride(0), vt.stride(1), vt.stride(2),
-        *args, sizes[1], sizes[2], norm,
+        k_tiles, *_lead3(k_tiles, n_lead), k_tiles.stride(-2), k_tiles.stride(-1),
+        v_tiles, *_lead3(v_tiles, n_lead), v_tiles.stride(-2), v_tiles.stride(-1),
+        *args, sizes[1], sizes[2], flag_t, slot if slot is not None else k_tiles,
+        bad if bad is not None else k_tiles, 1.0 / math.sqrt(d),
         D=d, G=g, KB=config.key_bits, VB=config.value_bits, ITERS=config.sinkhorn_iters,
-        HAS_NORM=normalize is not None,
+        HAS_NORM=normalize is not None, ROTATE=rotate is not None, HAS_ROT=isinstance(rotate, tuple),
+        HAS_SLOT=slot is not None, CHECK=bad is not None,
         num_warps=num_warps or (16 if d * g > 16384 else 8),
     )
     return out

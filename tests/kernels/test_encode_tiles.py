@@ -107,6 +107,67 @@ def test_encode_writes_records_in_place(kdevice):
     assert (records[:, :, 0] == 7).all()  # untouched slot
 
 
+def _model_frame(k, v, cfg):
+    """fp16 model-frame K/V ``[B, H, T, D]`` as the tail holds them, and their tiles as the flush
+    passes them: views (keys transposed), no copy."""
+    b, h, t, d = k.shape
+    k16, v16 = k.half(), v.half()
+    n = t // cfg.tile
+    return k16, v16, k16.reshape(b, h, n, cfg.tile, d).transpose(-1, -2), v16.reshape(b, h, n, cfg.tile, d)
+
+
+@pytest.mark.parametrize("bits", [(2, 2), (4, 2)])
+def test_encode_rotates_model_frame_tiles(bits, kdevice):
+    """rotate=True: the kernel's own rotation of fp16 model-frame tiles encodes as the torch codec
+    does the tiles rotated in torch (fp32)."""
+    cfg = KVarNConfig(key_bits=bits[0], value_bits=bits[1], tile=64, sinkhorn_iters=4)
+    k, v = synthetic_kv(1, 2, 128, 64, kdevice, seed=7 + bits[0])
+    k16, v16, kt16, vt16 = _model_frame(k, v, cfg)
+    out = kernels.encode_tiles(kt16, vt16, cfg, rotate=True)
+    kt, vt = rotated_tiles(k16.float(), v16.float(), cfg)
+    flips, total, moved = compare(out, torch_encode(kt, vt, cfg), cfg, (kt, vt))
+    assert flips <= max(1, int(1e-4 * total))
+    unrotated = kernels.encode_tiles(kt16, vt16, cfg)  # the same tiles read as rotated ones
+    assert not torch.equal(unrotated.k_codes, out.k_codes)
+
+
+def test_encode_writes_at_a_device_slot(kdevice):
+    """slot: tiles n = 0, 1 land at slot + n of fields with a capacity axis; the rest is untouched."""
+    cfg = KVarNConfig(key_bits=4, value_bits=2, tile=64, sinkhorn_iters=2)
+    k, v = synthetic_kv(2, 1, 128, 64, kdevice, seed=4)
+    _, _, kt16, vt16 = _model_frame(k, v, cfg)
+    ref = kernels.encode_tiles(kt16, vt16, cfg, rotate=True)  # [2, 1, 2, ...]
+    from kvarn.kernels.layout import empty_fields
+
+    store = empty_fields((2, 1, 4), cfg, 64, kdevice)
+    for name in FIELD_ORDER:
+        getattr(store, name).fill_(3)
+    slot = torch.tensor([1], device=kdevice)
+    kernels.encode_tiles(kt16, vt16, cfg, store, rotate=True, slot=slot)
+    for name in FIELD_ORDER:
+        x = getattr(store, name)
+        assert torch.equal(x[:, :, 1:3], getattr(ref, name)), name
+        assert (x[:, :, 0] == 3).all() and (x[:, :, 3] == 3).all(), name
+    with pytest.raises(ValueError, match="slot needs"):
+        kernels.encode_tiles(kt16, vt16, cfg, rotate=True, slot=slot)  # no fields to index into
+
+
+def test_encode_flags_nonfinite_scales(kdevice):
+    """bad: 1 when a stored fp16 scale overflows, untouched (0) otherwise; no host read needed."""
+    cfg = KVarNConfig(tile=64, sinkhorn_iters=2)
+    k, v = synthetic_kv(1, 2, 64, 64, kdevice, seed=9)
+    bad = torch.zeros(1, dtype=torch.int32, device=kdevice)
+    _, _, kt16, vt16 = _model_frame(k, v, cfg)
+    kernels.encode_tiles(kt16, vt16, cfg, rotate=True, bad=bad)
+    assert int(bad[0]) == 0
+    big = torch.zeros_like(v)
+    big[0, 1] = v[0, 1] * 1e12  # past what the clipped scales absorb (e^10 each): fp16 overflow
+    kt, vt = rotated_tiles(k, big, cfg)
+    out = kernels.encode_tiles(kt, vt, cfg, bad=bad)
+    assert int(bad[0]) == 1
+    assert not torch.isfinite(out.v_row_scale[0, 1].float()).all() and torch.isfinite(out.v_row_scale[0, 0].float()).all()
+
+
 def test_encode_errors(kdevice, monkeypatch):
     cfg = KVarNConfig(tile=64)
     kt = torch.randn(2, 64, 64, device=kdevice)
@@ -134,6 +195,13 @@ def test_encode_full(name, d):
     ref = torch_encode(kt, vt, cfg)
     flips, total, moved = compare(out, ref, cfg, (kt, vt))
     assert flips <= 1e-4 * total, f"{flips} of {total} codes differ"
+    assert moved <= 0.25 * kt.shape[:-2].numel() * 2
+    # The flush's form: fp16 model-frame tiles rotated by the kernel, against the torch rotation.
+    k16, v16, kt16, vt16 = _model_frame(k, v, cfg)
+    kt, vt = rotated_tiles(k16.float(), v16.float(), cfg)
+    out = kernels.encode_tiles(kt16, vt16, cfg, rotate=True)
+    flips, total, moved = compare(out, torch_encode(kt, vt, cfg), cfg, (kt, vt))
+    assert flips <= 1e-4 * total, f"model frame: {flips} of {total} codes differ"
     assert moved <= 0.25 * kt.shape[:-2].numel() * 2
 
 

@@ -79,27 +79,32 @@ def test_decode_loop_matches_generate_and_reference(fused_model, kdevice):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_decode_loop_flushes_ahead_of_the_forward(fused_model, kdevice, monkeypatch):
-    """decode_greedy's flush steps encode in flush_ahead (before the forward), not in the update."""
+def test_decode_loop_encodes_in_the_step_that_completes_the_tile(fused_model, kdevice, monkeypatch):
+    """decode_greedy starts a tile's encode in the update that writes its last token (flush_ahead,
+    from the fill step), while the tile is still unfrozen; generate encodes in the next update."""
     model = fused_model
     ids = torch.randint(0, 97, (1, PROMPT), device=kdevice)
-    callers = []
+    calls = []
     encode_due = hf_attention.FusedKVarNLayer._encode_due
 
     def spy(self, n):
         import inspect
-        callers.append(inspect.stack()[1].function)
+        stack = inspect.stack()
+        calls.append((stack[1].function, stack[2].function, self.tail_len[0], self.store.counts[0]))
         return encode_due(self, n)
 
     monkeypatch.setattr(hf_attention.FusedKVarNLayer, "_encode_due", spy)
     cache = _fused(model, max_length=PROMPT + NEW)
     hf_graph.decode_greedy(model, cache, ids, NEW, capture="none")
-    assert callers == ["flush_ahead"] * len(cache.layers)  # one flush step, every layer ahead
+    g = cache.layers[0].tile
+    # One tile completed during decoding: every layer began its encode right after writing the
+    # tile's last token (tail exactly one tile, not yet counted as stored).
+    assert calls == [("flush_ahead", "update", g, 0)] * len(cache.layers)
     assert cache.layers[0].store.counts == [1] and cache.layers[0]._ahead is None
-    callers.clear()
+    calls.clear()
     model.generate(ids, past_key_values=_fused(model, max_length=PROMPT + NEW), max_new_tokens=NEW,
                    do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
-    assert callers == ["_flush_device"] * len(cache.layers)  # generate: inside the update, as before
+    assert [c[0] for c in calls] == ["_flush_device"] * len(cache.layers)  # generate: in the freezing update
 
 
 def test_simulated_replay_catches_a_host_position(fused_model, kdevice, monkeypatch):
@@ -222,23 +227,18 @@ def test_decode_greedy_refuses_what_it_cannot_capture(fused_model, kdevice):
 
 
 
-def test_host_free_flush_defers_the_scale_check(monkeypatch):
+def test_host_free_flush_defers_the_scale_check(kdevice):
     """A non-finite scale frozen in a host-free step is not read back then, but raised later."""
-    from kvarn import kernels
-    from kvarn.codec import encode_tiles as torch_encode_tiles
     from kvarn.config import KVarNConfig
 
-    def overflowing(k, v, c, normalize=None):  # stands in for the Triton flush, which has no guard of its own
-        assert normalize is None  # the spec's kvarn: every tile normalized
-        tiles = torch_encode_tiles(k, v, c)
-        tiles.k_row_scale[..., 3] = float("inf")
-        return tiles
-
-    monkeypatch.setattr(kernels, "encode_tiles", overflowing)
     codec = hf_attention.TritonTileCodec("kvarn", KVarNConfig(tile=64, sinkhorn_iters=2))
-    keys, values = torch.randn(1, 1, 64, 64), torch.randn(1, 1, 64, 64)
+    keys = torch.randn(1, 2, 64, 64, device=kdevice)
+    values = torch.randn(1, 2, 64, 64, device=kdevice) * 1e12  # past the clipped scales (e^10 each): fp16 overflow
     with pytest.raises(ValueError, match="overflow their fp16 scales"):
         codec.encode(keys, values)  # eager: checked at once
+    with codec.deferred():
+        codec.encode(keys, values / 1e12)
+    codec.raise_deferred()  # nothing recorded
     with codec.deferred():
         codec.encode(keys, values)  # host-free: recorded on the device only
     with pytest.raises(ValueError, match="non-finite fp16 scales"):

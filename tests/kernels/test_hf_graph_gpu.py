@@ -107,11 +107,12 @@ def test_captured_static_cache_decode_matches_eager(model):
 
 @pytest.mark.parametrize("mode", ["none", "cuda"])
 def test_flush_ahead_waits_on_both_streams(model, mode, monkeypatch):
-    """A flush step's encodes run on a side stream (flush_ahead). Both waits are stressed with GPU
-    spins: on the step's stream before the flush starts (if the side stream did not wait for it, it
-    would encode the tile before the forward of the step before wrote its last token) and on the
-    side stream before each encode (if an update did not wait for its layer's encode, the next
-    token would overwrite the tail while it is encoded). Either race changes the stored tiles."""
+    """A tile's encode runs on a side stream, started by the update that completes it
+    (flush_ahead). Both waits are stressed with GPU spins: on the step's stream before the encode
+    starts (if the side stream did not wait for it, it would encode the tile before its last
+    token is written) and on the side stream before each encode (if the step did not join the
+    side stream at its end, the next step's token would overwrite the tail while it is encoded).
+    Either race changes the stored tiles."""
     from kvarn.integrations import hf_attention, hf_graph
 
     spin = 20_000_000  # GPU cycles, about 10 ms
