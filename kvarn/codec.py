@@ -311,12 +311,6 @@ def check_encoded(tiles: TileFields, k_tiles: torch.Tensor, v_tiles: torch.Tenso
         ) from None
 
 
-def nonfinite_scales(tiles: TileFields) -> torch.Tensor:
-    """Device bool scalar: does any fp16 field hold a NaN/Inf (no host read, capture-safe)."""
-    return torch.stack([~torch.isfinite(getattr(tiles, n)).all() for n in FIELD_ORDER
-                        if getattr(tiles, n).dtype == torch.float16]).any()
-
-
 def check_finite_scales(tiles: TileFields) -> None:
     """ValueError naming the first record (index into the leading dims) with a NaN/Inf fp16 field."""
     for name in FIELD_ORDER:

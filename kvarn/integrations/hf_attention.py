@@ -66,7 +66,7 @@ class FusedKVarNLayer(KVarNLayer):
         self._lockstep = False
         self._ahead = None  # (length, True or CUDA event): the flush flush_ahead started at that length
         # decode_greedy's hook: False, off; else the stream (None: at once) on which the update that
-        # completes a tile starts encoding it (see fill_ahead)
+        # completes a tile starts encoding it (see flush_ahead)
         self.ahead_stream = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
