@@ -96,11 +96,13 @@ class FusedKVarNLayer(KVarNLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
+        self._ahead = None  # a tile encoded ahead may hold tokens just removed (the length can come back)
         if self.is_initialized:
             self._sync_lengths()
 
     def _select(self, index: torch.Tensor) -> None:
         super()._select(index)
+        self._ahead = None
         self._dev_len = torch.zeros(3, self.batch, dtype=torch.int32, device=self.device)
         self._rows = torch.arange(self.batch, device=self.device)[:, None]
         self._sync_lengths()
@@ -151,6 +153,7 @@ class FusedKVarNLayer(KVarNLayer):
         if steady:
             self._flush_device()
         else:
+            self._ahead = None  # the host plan encodes every complete tile itself
             moved = sum(self.sink_len) + sum(self.store.counts)
             # The host plan (rows at different lengths, or the sink still filling): the next freeze in
             # the MRO (kvarn-auto's, then KVarNLayer's); this one syncs the device lengths below.

@@ -107,6 +107,31 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(fused_model, kd
     assert [c[0] for c in calls] == ["_flush_device"] * len(cache.layers)  # generate: in the freezing update
 
 
+def test_a_crop_discards_a_tile_encoded_ahead(fused_model, kdevice):
+    """decode_greedy can stop right after the step that completes a tile (its encode already
+    written, not yet counted). A crop that removes that tile's last token must not let a later
+    update at the same length reuse it: the tile is encoded again from the new token."""
+    model = fused_model
+    ids = torch.randint(0, 97, (1, PROMPT), device=kdevice)
+    cache = _fused(model, max_length=PROMPT + NEW)
+    tokens = hf_graph.decode_greedy(model, cache, ids, 5, capture="none")[:, :4]  # the 4th fed token completes a tile
+    layer = cache.layers[0]
+    assert layer.tail_len == [layer.tile] and layer.store.counts == [0] and layer._ahead is not None
+    cache.crop(-1)  # drop the tile's last token
+    other = (tokens[:, 3:] + 1) % 97  # a different token at the same position
+    for _ in range(2):  # completes the tile again, then freezes it
+        model(input_ids=other, past_key_values=cache, use_cache=True)
+    seq = torch.cat([ids, tokens[:, :3], other, other], 1)
+    ref = _fused(model, max_length=PROMPT + NEW)  # the same sequence, token by token, no decode_greedy
+    model(input_ids=seq[:, :PROMPT], past_key_values=ref, use_cache=True)
+    for i in range(PROMPT, seq.shape[1]):
+        model(input_ids=seq[:, i:i + 1], past_key_values=ref, use_cache=True)
+    assert layer.store.counts == [1] and ref.layers[0].store.counts == [1]
+    for a, b in zip(cache.layers, ref.layers):
+        for name, x in a.store.fields.items():
+            assert torch.equal(x[:, :, :1], b.store.fields[name][:, :, :1]), name
+
+
 def test_simulated_replay_catches_a_host_position(fused_model, kdevice, monkeypatch):
     """The check has teeth: a tail write at the host's position goes wrong under simulated replay."""
     model = fused_model
