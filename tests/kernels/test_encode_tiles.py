@@ -131,6 +131,21 @@ def test_encode_rotates_model_frame_tiles(bits, kdevice):
     assert not torch.equal(unrotated.k_codes, out.k_codes)
 
 
+@pytest.mark.parametrize("name", ["k2v2_g128", "k4v2_g128"])
+@pytest.mark.parametrize("d", [128, 256])
+def test_encode_rotates_full_size_tiles(name, d, kdevice):
+    """The flush's form at a real tile size (G 128, D 128 / 256: both factors of the in-kernel
+    rotation, 16K-32K values a program), also under the interpreter: 16 tiles of K and of V."""
+    cfg = KVarNConfig.from_name(name)
+    k, v = synthetic_kv(1, 8, 2 * cfg.tile, d, kdevice, seed=d + cfg.key_bits)
+    _, _, kt16, vt16 = _model_frame(k, v, cfg)
+    k16, v16 = k.half(), v.half()
+    kt, vt = rotated_tiles(k16.float(), v16.float(), cfg)
+    out = kernels.encode_tiles(kt16, vt16, cfg, rotate=True)
+    flips, total, moved = compare(out, torch_encode(kt, vt, cfg), cfg, (kt, vt))
+    assert flips <= max(1, int(1e-4 * total)) and moved <= 4
+
+
 def test_encode_writes_at_a_device_slot(kdevice):
     """slot: tiles n = 0, 1 land at slot + n of fields with a capacity axis; the rest is untouched."""
     cfg = KVarNConfig(key_bits=4, value_bits=2, tile=64, sinkhorn_iters=2)
