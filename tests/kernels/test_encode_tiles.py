@@ -192,6 +192,16 @@ def test_encode_errors(kdevice, monkeypatch):
         kernels.encode_tiles(kt, kt, KVarNConfig(tile=128))
     with pytest.raises(TypeError):
         kernels.encode_tiles(kt, kt, "k4v2_g64")
+    with pytest.raises(ValueError, match="rotate must be None, True or"):
+        kernels.encode_tiles(kt, kt, cfg, rotate="yes")
+    with pytest.raises(ValueError, match="32 <= D <= 256, got D=16"):
+        small = torch.randn(2, 16, 64, device=kdevice)
+        kernels.encode_tiles(small, small.transpose(-1, -2), cfg, rotate=True)
+    with pytest.raises(ValueError, match="bad must be an int32"):
+        kernels.encode_tiles(kt, kt, cfg, bad=torch.zeros(1, device=kdevice))
+    with pytest.raises(ValueError, match="slot must be a long"):
+        kernels.encode_tiles(kt[None, None], kt[None, None], cfg, kernels.encode_tiles(kt[None, None], kt[None, None], cfg),
+                             slot=torch.zeros(1, dtype=torch.int32, device=kdevice))
     if not HAS_CUDA:  # no silent fallback: CPU tensors outside the interpreter are refused
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ValueError, match="CUDA"):
