@@ -85,12 +85,12 @@ def _seq_length(cache) -> int:
 class _Graphs:
     """The captured steps by kind, and the host-state bookkeeping around capture and replay."""
 
-    def __init__(self, cache, step: Callable[[], None], mode: str, warmup: int):
+    def __init__(self, cache, step: Callable[[], None], mode: str, warmup: int, ahead: bool):
         self.cache, self.step, self.mode, self.warmup = cache, step, mode, warmup
+        self.ahead = ahead  # fill steps start their tiles' encodes (decode_greedy's flush_ahead)
         self.fused = _fused_layers(cache)
         self.graphs: dict[str, object] = {}
         self.eager_runs: dict[str, int] = {}
-        self.ahead = False  # set by decode_greedy: fill steps start their tiles' encodes
         self.last = None  # the kind of the previous step, when it was steady
         self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
         self.stream = torch.cuda.Stream() if mode == "cuda" else None
@@ -230,8 +230,7 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
         for layer in ahead:
             layer.joined()
 
-    graphs = _Graphs(cache, step, capture, warmup)
-    graphs.ahead = bool(ahead)
+    graphs = _Graphs(cache, step, capture, warmup, ahead=bool(ahead))
     for layer in ahead:
         layer.ahead_stream = flush_stream
     try:

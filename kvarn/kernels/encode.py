@@ -37,8 +37,6 @@ from ..config import KVarNConfig
 from .decode_blocks import hadamard_rows
 from .layout import check_device, check_fields, empty_fields, lead_strides
 
-_RNE_MAGIC = 12582912.0  # 1.5 * 2^23: (x + M) - M rounds fp32 x to nearest even for |x| < 2^22
-
 
 @triton.jit
 def _ustd_cols(y, R: tl.constexpr):
@@ -108,7 +106,7 @@ def _encode_one(
     hi = tl.max(y, axis=1)
     step = tl.maximum((hi - lo) / QMAX, 1e-10)
     t = (y - lo[:, None]) * (1.0 / step)[:, None]
-    q = (t + 12582912.0) - 12582912.0  # round half to even
+    q = (t + 12582912.0) - 12582912.0  # 1.5 * 2^23: (t + M) - M rounds fp32 t half to even for |t| < 2^22
     q = tl.minimum(tl.maximum(q, 0.0), QMAX).to(tl.int32)
 
     P: tl.constexpr = 8 // BITS
@@ -128,12 +126,14 @@ def _encode_one(
     tl.store(rz_ptr + rz_off + rows, rz)
     tl.store(cs_ptr + cs_off + cols, cs)
     if CHECK:  # a non-finite stored scale (fp16 overflow) flags the launch; read later, off the step
-        inf: tl.constexpr = float("inf")
-        bad = (tl.sum(((tl.abs(rs.to(tl.float32)) == inf) | (rs != rs) | (tl.abs(rz.to(tl.float32)) == inf)
-                       | (rz != rz)).to(tl.int32), axis=0)
-               + tl.sum(((tl.abs(cs.to(tl.float32)) == inf) | (cs != cs)).to(tl.int32), axis=0))
-        if bad > 0:
+        if _nonfinite(rs) + _nonfinite(rz) + _nonfinite(cs) > 0:
             tl.atomic_or(bad_ptr, 1)
+
+
+@triton.jit
+def _nonfinite(v):
+    """How many of the fp16 values ``v`` are Inf or NaN (NaN fails every comparison)."""
+    return tl.sum((~(tl.abs(v.to(tl.float32)) < float("inf"))).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -299,7 +299,7 @@ def encode_tiles(
         flags = _tile_flags(normalize, lead, "normalize", dev)
     if isinstance(rotate, tuple):
         rot = _tile_flags(rotate, lead, "rotate", dev)
-        flags = (flags or [torch.ones(n_tiles, dtype=torch.bool, device=dev)] * 2) + rot
+        flags = (flags or rot) + rot  # without normalize flags their slots are unread (HAS_NORM is False)
     elif flags:
         flags = flags + flags  # rotation flags unread (HAS_ROT is False): any values
     # A placeholder when absent (never read): no allocation and fill per flush.

@@ -138,8 +138,7 @@ def test_encode_rotates_full_size_tiles(name, d, kdevice):
     rotation, 16K-32K values a program), also under the interpreter: 16 tiles of K and of V."""
     cfg = KVarNConfig.from_name(name)
     k, v = synthetic_kv(1, 8, 2 * cfg.tile, d, kdevice, seed=d + cfg.key_bits)
-    _, _, kt16, vt16 = _model_frame(k, v, cfg)
-    k16, v16 = k.half(), v.half()
+    k16, v16, kt16, vt16 = _model_frame(k, v, cfg)
     kt, vt = rotated_tiles(k16.float(), v16.float(), cfg)
     out = kernels.encode_tiles(kt16, vt16, cfg, rotate=True)
     flips, total, moved = compare(out, torch_encode(kt, vt, cfg), cfg, (kt, vt))
