@@ -53,7 +53,7 @@ from ..attention import check_decode_inputs, head_flags
 from ..codec import FIELD_ORDER, TileFields
 from ..config import KVarNConfig
 from .decode_blocks import fp_block, hadamard_rows, hilo, merge_range, store_output, store_partial, tile_load, tile_step
-from .layout import check_device, empty_fields, interpreting, lead_strides
+from .layout import check_device, empty_fields, interpreting, lead_strides, num_sms
 
 LOG2E = 1.4426950408889634
 BLOCK_N = tl.constexpr(32)  # full-precision tokens per step
@@ -230,12 +230,6 @@ def _counters(n: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def plan_splits(batch_heads: int, n_tiles: int, fp_tokens: int, device: torch.device,
                 waves: int = 2) -> tuple[int, int]:
     """(tile splits, fp splits) per (sequence, head).
@@ -248,7 +242,7 @@ def plan_splits(batch_heads: int, n_tiles: int, fp_tokens: int, device: torch.de
     The fp region (a BLOCK_N block of fp16 tokens reads as much as ~3 tiles) is split when the
     tiles alone leave room.
     """
-    full = PROGRAMS_PER_SM * _num_sms(device)
+    full = PROGRAMS_PER_SM * num_sms(device)
     want = max(1, -(-2 * full // batch_heads) if waves == 2 else full // batch_heads)
     tile_splits = max(1, min(want, -(-n_tiles // MIN_TILES_PER_SPLIT), MAX_SPLITS)) if n_tiles else 0
     fp_blocks = -(-fp_tokens // BLOCK_N)

@@ -17,9 +17,9 @@ rotated (the others are stored in the model frame).
 
 Differences from the torch twin, by design: the unbiased standard deviations are two-pass sums in a
 different reduction order, two of each iteration's four are derived from earlier ones (see
-``_encode_one``), divisions are multiplications by ``exp(-b)``, ``exp(-a)`` and ``1 / step``, and
-``exp``/``log`` come from the GPU's math library, so a scale can differ by one
-fp16 ulp, a code that sits on a rounding boundary can move by one step, and where two iterates score
+``_encode_one``), the others are taken of ``X * exp(-a)`` (rows) and ``X * exp(-b)`` (columns) and
+then scaled, divisions are multiplications by ``exp(-b)``, ``exp(-a)`` and ``1 / step``, and
+``exp``/``log`` come from the GPU's math library, so a scale can differ by one fp16 ulp, a code that sits on a rounding boundary can move by one step, and where two iterates score
 the same imbalance up to fp32 rounding the kernel may keep the other one (rarely: see the kernel
 tests). Quantile ranges (``config.quantile > 0``) are not implemented here: ValueError.
 """
@@ -35,7 +35,7 @@ import triton.language as tl
 from ..codec import TileFields
 from ..config import KVarNConfig
 from .decode_blocks import hadamard_rows
-from .layout import check_device, check_fields, empty_fields, lead_strides
+from .layout import check_device, check_fields, empty_fields, lead_strides, num_sms
 
 
 @triton.jit
@@ -80,17 +80,16 @@ def _encode_one(
     best = _score(cs, rs)
     best_a = a
     best_b = b
-    # Y = X / (exp(b) (x) exp(a)) as X * exp(-b) * exp(-a): two multiplies per value instead of an
-    # IEEE division (a dozen instructions), which was most of the kernel's arithmetic.
+    # Y = X / (exp(b) (x) exp(a)) is never formed in the iterations: a row's deviation of Y is
+    # exp(-b) times that row's deviation of X * exp(-a) (a column's alike), so a pass costs one
+    # multiply per value and no IEEE division (a dozen instructions), and only X and one scaled copy
+    # are live: with 4 warps that fits the registers (bench_flush: 1.5x over Y formed at 8 warps).
     for _ in range(ITERS):
         a = tl.minimum(tl.maximum(a + tl.log(tl.minimum(tl.maximum(cs, 1e-3), 1e3)), -0.3), 10.0)
-        y = x * tl.exp(-b)[:, None] * tl.exp(-a)[None, :]
-        rs = _ustd_rows(y, C)
-        b_new = tl.minimum(tl.maximum(b + tl.log(tl.minimum(tl.maximum(rs, 1e-3), 1e3)), -0.3), 10.0)
-        rs = rs * tl.exp(b - b_new)
-        b = b_new
-        y = x * tl.exp(-b)[:, None] * tl.exp(-a)[None, :]
-        cs = _ustd_cols(y, R)
+        rs_x = _ustd_rows(x * tl.exp(-a)[None, :], C)
+        b = tl.minimum(tl.maximum(b + tl.log(tl.minimum(tl.maximum(rs_x * tl.exp(-b), 1e-3), 1e3)), -0.3), 10.0)
+        rs = rs_x * tl.exp(-b)  # the rows of Y after the row update
+        cs = _ustd_cols(x * tl.exp(-b)[:, None], R) * tl.exp(-a)
         m = _score(cs, rs)
         take = (m <= best) & norm  # ties go to the later iterate; without normalization: the identity
         best = tl.where(take, m, best)
@@ -230,6 +229,18 @@ def _tile_flags(pairs, lead, name, device) -> list[torch.Tensor]:
     return [x.reshape(-1).to(device) for x in pairs]
 
 
+def _default_warps(n_tiles: int, tile_elems: int, device: torch.device) -> int:
+    """Warps per program, from bench_flush on the H200 (BENCHMARKS.md table 2). 16K-element tiles:
+    4 when the launch fills the GPU three times over (the tile and one scaled copy fit the
+    registers: the most tiles per second, 2.31 against 2.40 ms for 8192 tiles at 8 warps), else 8:
+    a layer's flush is 16 programs at batch 1 and 256 at batch 16, on 132 SMs, and each program's
+    latency is the step's (1.46 ms for 32 layers at batch 1 against 2.26 ms at 16 warps). Larger
+    tiles: 8 (2.09 against 2.87 ms for 4096 tiles of D 256 at 16 warps)."""
+    if tile_elems > 16384:
+        return 8
+    return 4 if 2 * n_tiles >= 3 * num_sms(device) else 8
+
+
 def encode_tiles(
     k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConfig, out: TileFields | None = None,
     *, normalize: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -253,7 +264,7 @@ def encode_tiles(
     and input tile ``(i, j, n)`` is written at ``(i, j, slot + n)`` (read on the device, so a captured
     CUDA graph writes each replay's tiles at the slot of that replay). ``bad``: int32 ``[1]`` on the
     device, set to 1 if a stored fp16 scale is non-finite (the range check without a host read).
-    ``num_warps``: a tuning knob (default: 8, 16 for tiles over 16K elements), no effect on results.
+    ``num_warps``: a tuning knob (default: see ``_default_warps``), no effect on results.
     """
     if not isinstance(config, KVarNConfig):
         raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")
@@ -321,6 +332,6 @@ def encode_tiles(
         D=d, G=g, KB=config.key_bits, VB=config.value_bits, ITERS=config.sinkhorn_iters,
         HAS_NORM=normalize is not None, ROTATE=rotate is not None, HAS_ROT=isinstance(rotate, tuple),
         HAS_SLOT=slot is not None, CHECK=bad is not None,
-        num_warps=num_warps or (16 if d * g > 16384 else 8),
+        num_warps=num_warps or _default_warps(n_tiles, d * g, dev),
     )
     return out

@@ -64,3 +64,10 @@ def check_fields(t: TileFields, lead: tuple[int, ...], config: KVarNConfig, head
 
 
 __all__ = ["record_fields_view", "empty_fields", "check_device", "lead_strides", "interpreting", "FIELD_ORDER"]
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (launch planning); 4 elsewhere (the interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
