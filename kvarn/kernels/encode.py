@@ -19,9 +19,10 @@ Differences from the torch twin, by design: the unbiased standard deviations are
 different reduction order, two of each iteration's four are derived from earlier ones (see
 ``_encode_one``), the others are taken of ``X * exp(-a)`` (rows) and ``X * exp(-b)`` (columns) and
 then scaled, divisions are multiplications by ``exp(-b)``, ``exp(-a)`` and ``1 / step``, and
-``exp``/``log`` come from the GPU's math library, so a scale can differ by one fp16 ulp, a code that sits on a rounding boundary can move by one step, and where two iterates score
-the same imbalance up to fp32 rounding the kernel may keep the other one (rarely: see the kernel
-tests). Quantile ranges (``config.quantile > 0``) are not implemented here: ValueError.
+``exp``/``log`` come from the GPU's math library, so a scale can differ by one fp16 ulp, a code
+that sits on a rounding boundary can move by one step, and where two iterates score the same
+imbalance up to fp32 rounding the kernel may keep the other one (rarely: see the kernel tests).
+Quantile ranges (``config.quantile > 0``) are not implemented here: ValueError.
 """
 
 from __future__ import annotations
