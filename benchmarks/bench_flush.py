@@ -5,7 +5,8 @@ the Triton encoder over all of them in one launch (rotated tiles in; and model-f
 that it rotates itself); the same in 32 launches, one per layer; the cache's whole per-layer flush
 path (``TileStore.encode_into``: one launch per layer that rotates, encodes, flags a non-finite
 scale and writes the reserved slots) for the 32 layers, captured in one CUDA graph as a captured
-decode step runs it; and the torch codec (one call).
+decode step runs it; and the torch codec (one call). The rotating one-launch form is also timed at
+2, 4, 8 and 16 warps (``triton_rotating_us_by_warps``; the encoder's default depends on the launch size).
 The share of a decode step is in bench_e2e.py's flush column. Prints a table, writes JSON.
 
     PYTHONPATH=. python benchmarks/bench_flush.py --out results/flush.json
