@@ -36,7 +36,7 @@ import torch
 
 from .config import KVarNConfig, check_head_dim
 from .hadamard import rotate
-from .normalize import variance_normalize
+from .normalize import Workspace, _apply, best_iterate, normalize_iterates
 from .pack import pack_codes, unpack_codes
 from .quantize import dequantize_rows, rtn_rows
 
@@ -73,19 +73,37 @@ FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
 FP16_TINY = float(torch.finfo(torch.float16).tiny)  # 2^-14, the smallest normal fp16
 
 
-def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float, normalized=None):
+def _quantize_torch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int, quantile: float):
+    """Rows of ``Y = _apply(x, a, b)`` rounded and packed: (codes ``uint8 [..., C / P, R]`` in the
+    stored order (module docstring), step ``[..., R]``, lo ``[..., R]``)."""
+    codes, step, lo = rtn_rows(_apply(x, a, b), bits, quantile)
+    return pack_codes(codes, bits).transpose(-1, -2).contiguous(), step, lo
+
+
+def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float, normalized=None, passes=None):
     """x: ``[..., R, C]`` float32 tiles -> (packed codes, row scale, row zero, col scale), fp16 fields.
 
     ``normalized``: ``(y, col_scale, row_scale)`` of x at a given iterate instead of the best one
     (the kernels' tests: an iterate the Triton encoder kept on a tie up to fp32 rounding).
+    ``passes``: a class like :class:`kvarn.normalize.Workspace` whose instance for ``x`` makes the
+    passes over the tiles, including ``quantize`` (:class:`kvarn.cpu_kernels.TilePasses`); None:
+    torch operations.
 
     Guard rails on the fp16 scales (docs/algorithm.md, "Numerical range"): a tile whose scales
     would overflow fp16 raises ValueError; a tile whose every row scale and zero is below fp16's
     smallest normal number is stored as a zero tile (all fields 0, column scales 0 as its flag).
     Other tiles are encoded exactly as docs/algorithm.md sections 2-3 say.
     """
-    y, col_scale, row_scale = variance_normalize(x, iters) if normalized is None else normalized
-    codes, step, lo = rtn_rows(y, bits, quantile)
+    if normalized is None:
+        ws = Workspace(x) if passes is None else passes(x)
+        a, b = best_iterate(*normalize_iterates(x, iters, ws))
+        quantize = _quantize_torch if passes is None else ws.quantize
+        packed, step, lo = quantize(x, a, b, bits, quantile)
+        col_scale, row_scale = torch.exp(a), torch.exp(b)
+    else:
+        y, col_scale, row_scale = normalized
+        codes, step, lo = rtn_rows(y, bits, quantile)
+        packed = pack_codes(codes, bits).transpose(-1, -2).contiguous()  # stored order (module docstring)
     scale32, zero32 = row_scale * step, row_scale * lo
     scale, zero, col = scale32.to(torch.float16), zero32.to(torch.float16), col_scale.to(torch.float16)
     finite = torch.isfinite(scale).all(-1) & torch.isfinite(zero).all(-1) & torch.isfinite(col).all(-1)
@@ -99,7 +117,6 @@ def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float, normali
     # One max per tile: the largest stored row value. Below 2^-14 every scale and zero would be an
     # fp16 subnormal (or 0) and the tile would decode to noise or to zeros without a word.
     tiny = torch.maximum(scale32.abs().amax(-1), zero32.abs().amax(-1)) < FP16_TINY
-    packed = pack_codes(codes, bits).transpose(-1, -2).contiguous()  # stored order (module docstring)
     if bool(tiny.any()):
         logger.warning(
             "%d tile(s) of magnitude at most %.3g stored as zero tiles: their fp16 scales would be "
@@ -112,12 +129,13 @@ def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float, normali
     return packed, scale, zero, col
 
 
-def encode_tiles(k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConfig) -> TileFields:
-    """Quantize rotated tiles. k_tiles: ``[..., D, G]``, v_tiles: ``[..., G, D]``, float32."""
+def encode_tiles(k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConfig, passes=None) -> TileFields:
+    """Quantize rotated tiles. k_tiles: ``[..., D, G]``, v_tiles: ``[..., G, D]``, float32.
+    ``passes``: see ``_encode_one`` (:func:`kvarn.cpu_kernels.encode_tiles` sets it)."""
     k_tiles = k_tiles.to(torch.float32)
     v_tiles = v_tiles.to(torch.float32)
-    kc, ks, kz, kr = _encode_one(k_tiles, config.key_bits, config.sinkhorn_iters, config.quantile)
-    vc, vs, vz, vcol = _encode_one(v_tiles, config.value_bits, config.sinkhorn_iters, config.quantile)
+    kc, ks, kz, kr = _encode_one(k_tiles, config.key_bits, config.sinkhorn_iters, config.quantile, passes=passes)
+    vc, vs, vz, vcol = _encode_one(v_tiles, config.value_bits, config.sinkhorn_iters, config.quantile, passes=passes)
     return TileFields(kc, ks, kz, kr, vc, vcol, vs, vz)
 
 

@@ -53,48 +53,62 @@ def _apply(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor 
     return torch.div(x, outer, out=outer)
 
 
-class _Workspace:
-    """Buffers of one batch of tiles, reused by every iteration: fresh large tensors cost page faults
-    on CPU, which took most of the time of these memory-bound passes."""
+class Workspace:
+    """The passes over one batch of tiles ``x [..., R, C]`` that the normalization makes, as torch
+    operations, with buffers reused by every iteration: fresh large tensors cost page faults on CPU,
+    which took most of the time of these memory-bound passes. Log-scales ``a [..., C]`` and
+    ``b [..., R]`` give the tile ``Y = _apply(x, a, b)``. :class:`kvarn.cpu_kernels.TilePasses` makes
+    the same passes as numba loops (same interface)."""
 
     def __init__(self, x: torch.Tensor):
         self.y = torch.empty_like(x)
         self.y64 = torch.empty(x.shape, dtype=torch.float64, device=x.device)
         self.dev64 = torch.empty_like(self.y64)
 
-    def apply(self, x, a, b) -> torch.Tensor:
-        return _apply(x, a, b, self.y)
+    def row_std(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """:func:`ustd` of each row of Y, ``[..., R]``."""
+        return _ustd_(self.y64.copy_(_apply(x, a, b, self.y)), -1)
 
-    def row_std(self, y: torch.Tensor) -> torch.Tensor:
-        return _ustd_(self.y64.copy_(y), -1)
-
-    def both_std(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per column over rows ``[..., C]``, per row over columns ``[..., R]``) of ``y: [..., R, C]``."""
-        y64 = self.y64.copy_(y)
+    def both_std(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per column over rows ``[..., C]``, per row over columns ``[..., R]``) of Y."""
+        y64 = self.y64.copy_(_apply(x, a, b, self.y))
         rs = _ustd_(y64, -1, out=self.dev64)  # before the column pass overwrites y64
         return _ustd_(y64, -2), rs
 
 
-def normalize_iterates(x: torch.Tensor, iters: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def normalize_iterates(x: torch.Tensor, iters: int = 8, passes=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every iterate of the normalization: ``(a [..., iters + 1, C], b [..., iters + 1, R],
     score [..., iters + 1])``, the identity first (log-scales ``a`` of the columns, ``b`` of the rows,
     module docstring). The kernels' tests use it to show that a tile where the Triton encoder kept
-    another iterate is a tie up to fp32 rounding."""
+    another iterate is a tie up to fp32 rounding. ``passes``: who makes the passes over the tiles,
+    a :class:`Workspace` of ``x`` by default."""
     if x.dtype != torch.float32:
         raise TypeError(f"the normalization expects float32 tiles, got {x.dtype}")
     a = x.new_zeros(*x.shape[:-2], x.shape[-1])
     b = x.new_zeros(*x.shape[:-2], x.shape[-2])
-    ws = _Workspace(x)
-    cs, rs = ws.both_std(x)  # of the current tile
+    ws = Workspace(x) if passes is None else passes
+    cs, rs = ws.both_std(x, a, b)  # of the current tile
     out_a, out_b, out_m = [a], [b], [_score(cs, rs)]
     for _ in range(iters):
         a = (a + torch.log(cs.clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
-        b = (b + torch.log(ws.row_std(ws.apply(x, a, b)).clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
-        cs, rs = ws.both_std(ws.apply(x, a, b))
+        b = (b + torch.log(ws.row_std(x, a, b).clamp(STD_MIN, STD_MAX))).clamp(LOG_MIN, LOG_MAX)
+        cs, rs = ws.both_std(x, a, b)
         out_a.append(a)
         out_b.append(b)
         out_m.append(_score(cs, rs))
     return torch.stack(out_a, -2), torch.stack(out_b, -2), torch.stack(out_m, -1)
+
+
+def best_iterate(a: torch.Tensor, b: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log-scales ``(a [..., C], b [..., R])`` of the lowest score per tile among
+    :func:`normalize_iterates`' output, ties to the later iterate."""
+    best, best_a, best_b = m[..., 0], a[..., 0, :], b[..., 0, :]
+    for i in range(1, m.shape[-1]):
+        take = m[..., i] <= best  # ties go to the later iterate
+        best = torch.where(take, m[..., i], best)
+        best_a = torch.where(take[..., None], a[..., i, :], best_a)
+        best_b = torch.where(take[..., None], b[..., i, :], best_b)
+    return best_a, best_b
 
 
 def variance_normalize(
@@ -105,11 +119,5 @@ def variance_normalize(
     x: ``[..., R, C]`` float32. Returns ``(y_bal [..., R, C], col_scale [..., C], row_scale [..., R])``
     with ``y_bal = x / (row_scale[..., :, None] * col_scale[..., None, :])``, best iterate per tile.
     """
-    a, b, m = normalize_iterates(x, iters)
-    best, best_a, best_b = m[..., 0], a[..., 0, :], b[..., 0, :]
-    for i in range(1, iters + 1):
-        take = m[..., i] <= best  # ties go to the later iterate
-        best = torch.where(take, m[..., i], best)
-        best_a = torch.where(take[..., None], a[..., i, :], best_a)
-        best_b = torch.where(take[..., None], b[..., i, :], best_b)
+    best_a, best_b = best_iterate(*normalize_iterates(x, iters))
     return _apply(x, best_a, best_b), torch.exp(best_a), torch.exp(best_b)

@@ -28,11 +28,15 @@ def rtn_rows(
     Returns ``(codes uint8 [..., R, C], step [..., R], lo [..., R])`` in float32, so that
     ``y ~= codes * step[..., None] + lo[..., None]``.
     """
-    lo, hi = row_range(y, quantile)
-    qmax = (1 << bits) - 1
-    step = ((hi - lo) / qmax).clamp_min(STEP_MIN)
-    codes = torch.round((y - lo[..., None]) / step[..., None]).clamp_(0, qmax)
+    step, lo = row_step(y, bits, quantile)
+    codes = torch.round((y - lo[..., None]) / step[..., None]).clamp_(0, (1 << bits) - 1)
     return codes.to(torch.uint8), step, lo
+
+
+def row_step(y: torch.Tensor, bits: int, quantile: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rounding grid of each row of y ``[..., R, C]``: ``(step [..., R], lo [..., R])``."""
+    lo, hi = row_range(y, quantile)
+    return ((hi - lo) / ((1 << bits) - 1)).clamp_min(STEP_MIN), lo
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

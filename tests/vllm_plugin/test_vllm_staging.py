@@ -63,7 +63,7 @@ def test_records_match_the_transformers_codec():
     """A committed page holds exactly what kvarn's own cache would freeze for the same tile."""
     k, v = _kv(G)
     staged_k, staged_v = rotate_kv(k, CFG)[None], rotate_kv(v, CFG)[None]  # staging layout [1, G, Hk, D]
-    rec = encode_records(staged_k, staged_v, CFG, use_triton=False)  # [1, Hk, R]
+    rec = encode_records(staged_k, staged_v, CFG, "torch")  # [1, Hk, R]
     enc = TileCodec("kvarn", CFG).encode(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
     pages = record_field_views(rec[:, :, None], CFG, D)  # how the backend reads a page
     for name in FIELD_ORDER:

