@@ -17,8 +17,8 @@ each its own graph: ``plain``; ``fill``, whose token completes a tile; ``flush``
 The host knows which step is which from its own lengths. Replaying runs none of the step's Python,
 so after each replay the runner advances the host lengths of every fused layer.
 With ``flush_ahead`` (the default) the encode starts in the ``fill`` step, on a side CUDA stream,
-as soon as each layer has written the token that completes its tile
-(:meth:`~kvarn.integrations.hf_attention.FusedKVarNLayer.flush_ahead`): it overlaps the rest of
+as soon as each layer's attention has read the token that completes its tile
+(:meth:`~kvarn.integrations.hf_attention.FusedKVarNLayer.read_done`): it overlaps the rest of
 that step and is joined at its end, and the ``flush`` step only advances the lengths. The stored
 tiles are the same bits, written into the same slots; the decode reads a tile only from the step
 that freezes it, as without the side stream. (A freeze not prepared by a fill step, e.g. after the

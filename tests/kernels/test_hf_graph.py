@@ -80,8 +80,9 @@ def test_decode_loop_matches_generate_and_reference(fused_model, kdevice):
 
 
 def test_decode_loop_encodes_in_the_step_that_completes_the_tile(fused_model, kdevice, monkeypatch):
-    """decode_greedy starts a tile's encode in the update that writes its last token (flush_ahead,
-    from the fill step), while the tile is still unfrozen; generate encodes in the next update."""
+    """decode_greedy starts a tile's encode in the step that writes its last token (flush_ahead,
+    right after the layer's attention read), while the tile is still unfrozen; generate encodes in
+    the next update."""
     model = fused_model
     ids = torch.randint(0, 97, (1, PROMPT), device=kdevice)
     calls = []
@@ -97,14 +98,32 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(fused_model, kd
     cache = _fused(model, max_length=PROMPT + NEW)
     hf_graph.decode_greedy(model, cache, ids, NEW, capture="none")
     g = cache.layers[0].tile
-    # One tile completed during decoding: every layer began its encode right after writing the
+    # One tile completed during decoding: every layer began its encode right after reading the
     # tile's last token (tail exactly one tile, not yet counted as stored).
-    assert calls == [("flush_ahead", "update", g, 0)] * len(cache.layers)
+    assert calls == [("flush_ahead", "read_done", g, 0)] * len(cache.layers)
     assert cache.layers[0].store.counts == [1] and cache.layers[0]._ahead is None
     calls.clear()
     model.generate(ids, past_key_values=_fused(model, max_length=PROMPT + NEW), max_new_tokens=NEW,
                    do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
     assert [c[0] for c in calls] == ["_flush_device"] * len(cache.layers)  # generate: in the freezing update
+
+
+def test_steady_steps_keep_the_tail_buffers(fused_model, kdevice):
+    """Every captured step must use the buffers the others use. After the prompt's freeze the tail
+    holds one tile; the step that freezes it appends into the room its flush leaves, so no steady
+    step (plain, fill or flush) reallocates the tail."""
+    model = fused_model
+    ids = torch.randint(0, 97, (1, PROMPT), device=kdevice)
+    cache = _fused(model, max_length=PROMPT + NEW)
+    seen = []  # per step, the tail buffers of every layer (step 1 freezes the prompt, then steady)
+
+    def tails(i):
+        seen.append([(x.tail_k.data_ptr(), x.tail_v.data_ptr(), x.tail_k.shape[2]) for x in cache.layers])
+
+    hf_graph.decode_greedy(model, cache, ids, NEW, capture="none", on_step=tails)
+    layer = cache.layers[0]
+    assert seen[1][0][2] == layer.tile and layer.store.counts == [1]  # a full tail was frozen
+    assert all(s == seen[1] for s in seen[2:])
 
 
 def test_a_crop_discards_a_tile_encoded_ahead(fused_model, kdevice):
