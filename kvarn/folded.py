@@ -113,6 +113,17 @@ def _chunked_matmul(a: torch.Tensor, codes: torch.Tensor, out: torch.Tensor, wor
     return out
 
 
+def _code_products(a: torch.Tensor, codes: torch.Tensor, bits: int, workspace: dict | None, name: str,
+                   kernels: str) -> torch.Tensor:
+    """``a [T, Hk, M, K] @ unpack_centred(codes [T, Hk, N/P, K]).T`` -> float32 ``[T, Hk, M, N]``."""
+    if kernels == "numba":
+        from .cpu_kernels import packed_matmul
+
+        return packed_matmul(a, codes, bits)
+    unpacked = unpack_centred(codes, bits, workspace, name)  # [T, Hk, N, K]
+    return _chunked_matmul(a, unpacked, a.new_empty(*a.shape[:3], unpacked.shape[-2]), workspace, name)
+
+
 def _fp_attention(q: torch.Tensor, fp_k: torch.Tensor, fp_v: torch.Tensor,
                   fp_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled query ``q [B, Hk, Gq, D]`` (float32) over the fp keys, non-causal: the ``Gq`` query
@@ -144,6 +155,7 @@ def folded_decode_attention(
     config: KVarNConfig,
     scaling: float | None = None,
     workspace: dict | None = None,
+    kernels: str = "torch",
 ) -> torch.Tensor:
     """Attention of one query token per sequence over [fp keys | ragged packed tiles].
 
@@ -159,8 +171,13 @@ def folded_decode_attention(
         step): the unpacked codes are written into its buffers instead of fresh tensors, whose
         page faults cost on CPU about as much as the passes themselves.
 
+    kernels:  who multiplies by the codes: ``"torch"`` (unpacked int8 codes, float32 ``bmm``) or
+        ``"numba"`` (:func:`kvarn.cpu_kernels.packed_matmul`, from the packed bytes).
+
     Returns float32 ``[B, Hq, D]``, un-rotated. A sequence with no visible key gets 0.
     """
+    if kernels not in ("torch", "numba"):
+        raise ValueError(f"kernels={kernels!r}; choose one of ['torch', 'numba']")
     b, hq, d = query.shape
     hk = fp_k.shape[1]
     if hq % hk:
@@ -182,9 +199,7 @@ def folded_decode_attention(
         qt = q.index_select(0, tile_row)  # [T, Hk, Gq, D]
         k_scale = tiles.k_row_scale.to(torch.float32)
         k_zero = torch.add(tiles.k_row_zero.to(torch.float32), k_scale, alpha=1 << (kb - 1))  # the centred codes' zero
-        k_codes = unpack_centred(tiles.k_codes, kb, workspace, "k")  # [T, Hk, G, D]
-        s_t = _chunked_matmul(qt * k_scale[:, :, None, :], k_codes, qt.new_empty(*qt.shape[:3], k_codes.shape[-2]),
-                              workspace, "k")  # [T, Hk, Gq, G]
+        s_t = _code_products(qt * k_scale[:, :, None, :], tiles.k_codes, kb, workspace, "k", kernels)  # [T, Hk, Gq, G]
         qz = torch.matmul(qt, k_zero[..., None])  # [T, Hk, Gq, 1]
         s_t.add_(qz).mul_(tiles.k_col_scale.to(torch.float32)[:, :, None, :])  # rK
         t_max = s_t.amax(-1)  # [T, Hk, Gq]
@@ -200,9 +215,7 @@ def folded_decode_attention(
         v_scale = tiles.v_row_scale.to(torch.float32)
         v_zero = torch.add(tiles.v_row_zero.to(torch.float32), v_scale, alpha=1 << (vb - 1))
         pz = torch.matmul(p, v_zero[..., None])  # [T, Hk, Gq, 1]
-        v_codes = unpack_centred(tiles.v_codes, vb, workspace, "v")  # [T, Hk, D, G]
-        o_t = _chunked_matmul(p.mul_(v_scale[:, :, None, :]), v_codes, p.new_empty(*p.shape[:3], d),
-                              workspace, "v")  # [T, Hk, Gq, D]
+        o_t = _code_products(p.mul_(v_scale[:, :, None, :]), tiles.v_codes, vb, workspace, "v", kernels)  # [T, Hk, Gq, D]
         o_t.add_(pz).mul_(tiles.v_col_scale.to(torch.float32)[:, :, None, :])  # cV
         acc = acc.index_add(0, tile_row, o_t)
     # The largest visible score contributes exp(0) = 1, so a sum below 1 means nothing is visible

@@ -12,6 +12,7 @@ pytest.importorskip("numba")
 from kvarn import KVarNConfig  # noqa: E402
 from kvarn import codec, cpu_kernels  # noqa: E402
 from kvarn.codec import FIELD_ORDER, rotate_kv  # noqa: E402
+from kvarn.folded import unpack_centred  # noqa: E402
 from kvarn.normalize import Workspace  # noqa: E402
 
 
@@ -103,3 +104,20 @@ def test_overflow_and_tiny_tiles_like_the_twin(caplog):
 def test_rejects_what_it_cannot_take():
     with pytest.raises(ValueError, match="float32 CPU tiles"):
         cpu_kernels.TilePasses(torch.zeros(2, 8, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_packed_matmul_equals_the_unpacked_product(bits):
+    """Products straight from the packed bytes, against the unpacked centred codes' float64 product;
+    strided views (fields of records) are read as they are."""
+    gen = torch.Generator().manual_seed(bits)
+    per = 8 // bits
+    a = torch.randn(5, 2, 3, 64, generator=gen)
+    records = torch.randint(0, 256, (5, 2, 16 * 64 + 8), dtype=torch.uint8, generator=gen)
+    codes = records[..., : 16 * 64].view(5, 2, 16, 64)  # [.., N / P, K] with a record's stride
+    got = cpu_kernels.packed_matmul(a, codes, bits)
+    want = a.double() @ unpack_centred(codes, bits).double().transpose(-1, -2)
+    assert got.shape == (5, 2, 3, 16 * per)
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_kernels.packed_matmul(a[..., :32], codes, bits)

@@ -10,6 +10,13 @@ from kvarn.folded import folded_decode_attention, unpack_centred
 from kvarn.hadamard import rotate
 from kvarn.pack import pack_codes, unpack_codes
 
+try:
+    import numba  # noqa: F401
+except ImportError:
+    numba = None
+# The products by the codes: unpacked int8 codes and bmm, or the numba kernel over packed bytes.
+KERNELS = ["torch", pytest.param("numba", marks=pytest.mark.skipif(numba is None, reason="needs numba"))]
+
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_unpack_centred(bits):
@@ -69,9 +76,10 @@ def _ragged(tiles, counts, seed=1):
     return ragged.map(lambda x: x[perm]), rows[perm]
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("name", ["k4v2_g128", "k2v2_g64", "k4v4_g64"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_matches_reference_decode(name, d):
+def test_matches_reference_decode(name, d, kernels):
     cfg = KVarNConfig.from_name(name)
     b, hk, hq = 4, 2, 6
     q, fk, fv, tiles, counts, lens = _case(cfg, b, hk, hq, d, [3, 0, 1, 2], [5, 1, cfg.tile, 17], seed=d)
@@ -80,19 +88,20 @@ def test_matches_reference_decode(name, d):
     ref = _dense_reference(q, fk, fv, tiles, counts, lens, cfg, 0.3)
     ragged, rows = _ragged(tiles, counts)
     valid = torch.arange(fk.shape[2])[None, :] < lens[:, None]
-    out = folded_decode_attention(q[:, :, 0], fk, fv, valid, ragged, rows, cfg, 0.3)
+    out = folded_decode_attention(q[:, :, 0], fk, fv, valid, ragged, rows, cfg, 0.3, kernels=kernels)
     # Both float32: the reference's own tolerance against float64 (tests/test_attention.py), and
     # against the reference itself.
     torch.testing.assert_close(twin.double(), ref, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out, twin, atol=2e-5, rtol=1e-4)
     # a wrong tile owner changes the result
-    bad = folded_decode_attention(q[:, :, 0], fk, fv, valid, ragged, rows.flip(0), cfg, 0.3)
+    bad = folded_decode_attention(q[:, :, 0], fk, fv, valid, ragged, rows.flip(0), cfg, 0.3, kernels=kernels)
     assert (bad.double() - ref).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16bit_fp_keys_within_the_dtype_rounding(dtype):
+def test_16bit_fp_keys_within_the_dtype_rounding(dtype, kernels):
     """A bf16/fp16 engine stages its fp sink and tail in that dtype, and the fp part runs in it.
     Bound: twice the rounding of the exact output to that dtype (stricter than STYLE.md's twice
     torch's own error in the dtype: softmax attention in bf16 errs far more)."""
@@ -105,11 +114,12 @@ def test_16bit_fp_keys_within_the_dtype_rounding(dtype):
     assert rounding <= (_dense_reference(q, fk, fv, tiles, counts, lens, cfg, 0.3, dtype) - ref).abs().max()
     ragged, rows = _ragged(tiles, counts)
     valid = torch.arange(fk.shape[2])[None, :] < lens[:, None]
-    out = folded_decode_attention(q[:, :, 0], fk, fv, valid, ragged, rows, cfg, 0.3)
+    out = folded_decode_attention(q[:, :, 0], fk, fv, valid, ragged, rows, cfg, 0.3, kernels=kernels)
     assert out.dtype == torch.float32
     assert (out.double() - ref).abs().max() <= 2 * rounding + 1e-5
     # the mask matters: seeing every staged position changes the result by far more
-    wrong = folded_decode_attention(q[:, :, 0], fk, fv, torch.ones_like(valid), ragged, rows, cfg, 0.3)
+    wrong = folded_decode_attention(q[:, :, 0], fk, fv, torch.ones_like(valid), ragged, rows, cfg, 0.3,
+                                    kernels=kernels)
     assert (wrong.double() - ref).abs().max() > 100 * rounding
 
 
@@ -146,3 +156,10 @@ def test_chunked_products_match_one_chunk(name, monkeypatch):
         assert torch.equal(o, outs[0])
     ref = _dense_reference(q, fk, fv, tiles, counts, lens, cfg, 0.3)
     torch.testing.assert_close(outs[0].double(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_unknown_kernels_are_refused():
+    cfg = KVarNConfig.from_name("k4v2_g128")
+    q, fk, fv = torch.zeros(1, 2, 64), torch.zeros(1, 2, 3, 64), torch.zeros(1, 2, 3, 64)
+    with pytest.raises(ValueError, match="kernels='cuda'.*torch"):
+        folded_decode_attention(q, fk, fv, torch.ones(1, 3, dtype=torch.bool), None, None, cfg, kernels="cuda")

@@ -2,7 +2,8 @@
 
 A random Llama with the 8B model's head layout (D 128, 4 query heads per KV head), G = 128 tiles,
 and enough new tokens that the captured loop replays both of its graphs (two tiles freeze during
-decoding), for the fused kvarn cache and for transformers' StaticCache.
+decoding), for the fused kvarn cache and for transformers' StaticCache. The fused cache is also
+held to bits: the captured run's tokens and stored tiles are eager's.
 """
 
 import pytest
@@ -71,6 +72,48 @@ def assert_same_decoding(tokens, logits, ref_tokens, ref_logits, rel: float = 0.
             f"token {first} differs with a top-2 logit gap of {gap} (logit error so far {err})")
 
 
+def assert_same_tokens_and_tiles(tokens, logits, cache, ref_tokens, ref_logits, ref_cache, tie: float = 1e-3):
+    """Captured vs eager (``capture="none"``) on the fused cache, to the bit: the same tokens, unless
+    the first one that differs was a near tie in the reference after logits that agreed until then
+    (both within ``tie`` of the largest logit magnitude, about one fp16 rounding), and every tile
+    of tokens before it byte-identical (all layers and rows, every K/V field; all tiles if no token
+    differs).
+
+    Why this strict: both runs are the same kernels on the same buffers (launch plans included),
+    and the step's GEMMs come out the same captured or not (on the H200 all tokens, logits and
+    tiles are equal). A capture bug that feeds a tile stale tokens moves the logits by 1-2% of
+    their size, inside assert_same_decoding's tolerance, and exact top-2 ties are common in fp16
+    logits of this random model, so a wrong token alone proves nothing.
+    """
+    differ = (tokens != ref_tokens).any(0).nonzero()
+    first = int(differ[0]) if len(differ) else tokens.shape[1]
+    scale = ref_logits[: first + 1].abs().amax().item()
+    err = (logits[:first] - ref_logits[:first]).flatten(1).abs().amax(1)  # [first]
+    bad = (err > tie * scale).nonzero()
+    assert not len(bad), (f"captured logits of token {int(bad[0])} differ from eager's by {err[bad[0]].item():.4g} "
+                          f"(> {tie * scale:.4g}; up to {err.max().item():.4g} before token {first}, the first "
+                          f"that differs of {tokens.shape[1]})")
+    if first < tokens.shape[1]:
+        top2 = ref_logits[first].topk(2, dim=-1).values  # [B, 2]
+        rows = (tokens[:, first] != ref_tokens[:, first]).nonzero()[:, 0]
+        gap = (top2[rows, 0] - top2[rows, 1]).max().item()
+        assert gap <= tie * scale, (
+            f"captured token {first} (rows {rows.tolist()}) differs from eager's, whose top-2 logit gap "
+            f"{gap:.4g} is no near tie (<= {tie * scale:.4g})")
+    for i, (layer, ref) in enumerate(zip(cache.layers, ref_cache.layers)):
+        assert layer.store.counts == ref.store.counts, f"layer {i}: tile counts {layer.store.counts} vs eager's"
+        # Tile j holds positions S + j G .. S + (j + 1) G - 1; the token at position PROMPT + t is
+        # generated token t, so the tiles that end before position PROMPT + first saw the same inputs.
+        n = min(ref.store.counts[0], max(0, (PROMPT + first - ref.sink_tokens) // ref.tile))
+        for name, x in ref.store.fields.items() if n else ():
+            a, b = (y[:, :, :n].reshape(*y.shape[:2], n, -1).view(torch.uint8) for y in (layer.store.fields[name], x))
+            if not torch.equal(a, b):
+                bad = (a != b).any(-1).any(1).any(0).nonzero()[:, 0].tolist()  # tiles with a difference
+                same = (a == b).float().mean().item()
+                raise AssertionError(f"layer {i} {name}: captured tiles {bad} of {n} differ from eager's "
+                                     f"({same:.1%} of the bytes equal; tokens first differ at {first})")
+
+
 @pytest.mark.parametrize("preset", ["k4v2_g128", "k2v2_g128"])
 def test_captured_kvarn_decode_matches_eager(model, preset):
     from kvarn.integrations import hf_attention
@@ -78,9 +121,9 @@ def test_captured_kvarn_decode_matches_eager(model, preset):
     ids = torch.randint(0, 1000, (3, PROMPT), device="cuda")
     hf_attention.use_fused(model)
     try:
-        out = {}
+        out, caches = {}, {}
         for mode in ("none", "cuda"):
-            cache = hf_attention.fused_cache(model, preset, max_length=PROMPT + NEW)
+            cache = caches[mode] = hf_attention.fused_cache(model, preset, max_length=PROMPT + NEW)
             out[mode] = decode_with_logits(model, cache, ids, mode)
             assert cache.layers[0].store.counts == [(PROMPT + NEW - 1 - 128) // 128] * 3
         # The same reserved buffers as the loop, so the kernels run the same launch plan (a plan
@@ -92,6 +135,7 @@ def test_captured_kvarn_decode_matches_eager(model, preset):
         model.set_attn_implementation("sdpa")
     ref_logits = torch.stack([x.float() for x in ref.logits])  # [NEW, B, V]
     assert_same_decoding(*out["none"], ref.sequences[:, PROMPT:], ref_logits)
+    assert_same_tokens_and_tiles(*out["cuda"], caches["cuda"], *out["none"], caches["none"])
     assert_same_decoding(*out["cuda"], *out["none"])
 
 

@@ -362,7 +362,8 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
                 tiles = record_field_views(rec, cfg, d)  # [T, Hk, ...]
                 rows = plan.dec_tile_row
             o = folded_decode_attention(q.index_select(0, plan.dec_tok), fk, fv, plan.dec_fp_valid, tiles,
-                                        rows, cfg, self.scale, workspace=plan.scratch)
+                                        rows, cfg, self.scale, workspace=plan.scratch,
+                                        kernels="numba" if kernels == "numba" else "torch")
             out.index_copy_(0, plan.dec_tok, o.to(out.dtype))
             return
         from ...kernels import decode_attention as fn
