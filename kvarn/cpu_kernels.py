@@ -272,8 +272,11 @@ def encode_tiles(k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConf
 
 
 def warm_up(config: KVarNConfig, head_dim: int) -> None:
-    """Compile the kernels (about 5 s the first time; loaded from numba's disk cache after that) on
-    one random tile, so that a server's first commit does not wait for the compiler."""
+    """Compile the kernels on one random tile (about 10 s the first time on two cores, 2 s when
+    numba's disk cache has them), so that a server's first commit and decode do not wait for the
+    compiler."""
     gen = torch.Generator().manual_seed(0)
     g = config.tile
-    encode_tiles(torch.randn(1, head_dim, g, generator=gen), torch.randn(1, g, head_dim, generator=gen), config)
+    fields = encode_tiles(torch.randn(1, head_dim, g, generator=gen), torch.randn(1, g, head_dim, generator=gen),
+                          config)
+    packed_matmul(torch.randn(1, 1, head_dim, generator=gen), fields.k_codes, config.key_bits)
