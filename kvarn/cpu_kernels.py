@@ -8,11 +8,11 @@
 The torch codec runs every pass of the normalization as a dozen tensor operations over the whole
 batch (float64 copies, means, deviations, squares, sums), at memory speed, about 0.23 ms per
 SmolLM2 tile on two cores. These kernels make the same passes over one tile at a time while it sits
-in the core's L1 cache: the three passes over a tile (the row deviations, both axes' deviations,
-and the final round-to-nearest with packing) are numba loops; the normalization's iteration logic,
-every ``exp``/``log``, the clamps, the best iterate and the fp16 fields stay the torch code of
-:mod:`kvarn.normalize` and :mod:`kvarn.codec`, so the two paths share one implementation of the
-algorithm and differ only in who makes the passes.
+in the core's L1 cache: the passes over a tile (the row deviations, both axes' deviations, forming
+the balanced tile, and rounding with packing) are numba loops; the normalization's iteration
+logic, every ``exp``/``log``, the clamps, the best iterate, the rows' min/max and the fp16 fields
+stay the torch code of :mod:`kvarn.normalize`, :mod:`kvarn.quantize` and :mod:`kvarn.codec`, so
+the two paths share one implementation of the algorithm and differ only in who makes the passes.
 
 Same bits. The tile ``Y = X / (exp(b) ⊗ exp(a))`` is formed with the same float32 products and
 divisions (IEEE, no fused multiply-adds, no reciprocals: the loops that touch float32 values are
@@ -21,8 +21,8 @@ deviations are float64 two-pass sums rounded once to float32, like the twin's; o
 the float64 additions differs (the reduction loops may be reassociated, so they vectorize), which
 changes a float32 result only when a deviation lies within a few float64 ulps of a float32 rounding
 boundary (about 2^-29 of the time: tests/test_cpu_kernels.py checks records bit for bit). Rounding
-is half to even (``np.rint``), like ``torch.round``; a NaN propagates through the row ranges as in
-``torch.amin``, so the codec's range check raises on it as on the twin.
+is half to even (``np.rint``), like ``torch.round``; the rows' ranges are the twin's own
+``torch.amin``/``amax`` (NaN included), so the codec's range check raises where the twin's does.
 
 Decode products. :func:`packed_matmul` multiplies float32 rows by packed codes without unpacking
 them to memory: each byte row is split into its P fields one at a time, in registers, and every
