@@ -73,11 +73,16 @@ FP16_MAX = float(torch.finfo(torch.float16).max)  # 65504
 FP16_TINY = float(torch.finfo(torch.float16).tiny)  # 2^-14, the smallest normal fp16
 
 
-def _quantize_torch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int, quantile: float):
-    """Rows of ``Y = _apply(x, a, b)`` rounded and packed: (codes ``uint8 [..., C / P, R]`` in the
-    stored order (module docstring), step ``[..., R]``, lo ``[..., R]``)."""
-    codes, step, lo = rtn_rows(_apply(x, a, b), bits, quantile)
+def _round_and_pack(y: torch.Tensor, bits: int, quantile: float):
+    """Rows of ``y [..., R, C]`` rounded and packed: (codes ``uint8 [..., C / P, R]`` in the stored
+    order (module docstring), step ``[..., R]``, lo ``[..., R]``)."""
+    codes, step, lo = rtn_rows(y, bits, quantile)
     return pack_codes(codes, bits).transpose(-1, -2).contiguous(), step, lo
+
+
+def _quantize_torch(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int, quantile: float):
+    """:func:`_round_and_pack` of ``Y = _apply(x, a, b)``."""
+    return _round_and_pack(_apply(x, a, b), bits, quantile)
 
 
 def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float, normalized=None, passes=None):
@@ -102,8 +107,7 @@ def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float, normali
         col_scale, row_scale = torch.exp(a), torch.exp(b)
     else:
         y, col_scale, row_scale = normalized
-        codes, step, lo = rtn_rows(y, bits, quantile)
-        packed = pack_codes(codes, bits).transpose(-1, -2).contiguous()  # stored order (module docstring)
+        packed, step, lo = _round_and_pack(y, bits, quantile)
     scale32, zero32 = row_scale * step, row_scale * lo
     scale, zero, col = scale32.to(torch.float16), zero32.to(torch.float16), col_scale.to(torch.float16)
     finite = torch.isfinite(scale).all(-1) & torch.isfinite(zero).all(-1) & torch.isfinite(col).all(-1)

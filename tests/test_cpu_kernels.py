@@ -121,3 +121,7 @@ def test_packed_matmul_equals_the_unpacked_product(bits):
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="do not match"):
         cpu_kernels.packed_matmul(a[..., :32], codes, bits)
+    with pytest.raises(ValueError, match="bits=3 is not supported"):
+        cpu_kernels.packed_matmul(a, codes, 3)
+    with pytest.raises(TypeError, match="packed uint8"):
+        cpu_kernels.packed_matmul(a, codes.to(torch.int16), bits)
