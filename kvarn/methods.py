@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import TileFields, _encode_one, decode_tiles, rotate_kv, validate_kv
+from .codec import CODEC_KERNELS, TileFields, _encode_one, decode_tiles, rotate_kv, tile_passes, validate_kv
 from .config import KVarNConfig
 from .flavour import Flavours, decode_flavoured, encode_flavoured
 from .hadamard import rotate
@@ -97,13 +97,23 @@ class EncodedKV:
 
 
 class TileCodec:
-    """Encode/decode full tiles of K/V with one method. Inputs are in the model's frame (K after RoPE)."""
+    """Encode/decode full tiles of K/V with one method. Inputs are in the model's frame (K after RoPE).
 
-    def __init__(self, method: str | Method, config: KVarNConfig):
+    ``kernels``: who makes the passes over the tiles when encoding (:func:`kvarn.codec.tile_passes`):
+    ``"auto"`` (numba's loops on CPU where numba is installed, else torch), ``"numba"`` or
+    ``"torch"``. The stored bits are the same either way.
+    """
+
+    def __init__(self, method: str | Method, config: KVarNConfig, kernels: str = "auto"):
         self.method = get_method(method)
         if not isinstance(config, KVarNConfig):
             raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")
+        if kernels not in CODEC_KERNELS:
+            raise ValueError(f"kernels={kernels!r}; choose one of {list(CODEC_KERNELS)}")
+        if kernels == "numba":
+            from . import cpu_kernels  # noqa: F401  (the ImportError naming numba now, not at the first encode)
         self.config = config
+        self.kernels = kernels
 
     def raise_deferred(self) -> None:
         """Raise for a numerics check an encode deferred (nothing here: this codec checks at once)."""
@@ -135,7 +145,7 @@ class TileCodec:
         if flavours is not None:
             if m.name != "kvarn-auto":
                 raise ValueError(f"flavours are only meaningful for method 'kvarn-auto', not {m.name!r}")
-            tiles = encode_flavoured(keys, values, flavours, c)
+            tiles = encode_flavoured(keys, values, flavours, c, self.kernels)
             return EncodedKV(m, tuple(keys.shape), nbytes, tiles=tiles, flavours=flavours)
         if m.fmt == "none":
             return EncodedKV(m, tuple(keys.shape), nbytes, k_fp8=keys.clone(), v_fp8=values.clone())
@@ -151,8 +161,9 @@ class TileCodec:
         if m.key_per_channel:
             k = k.transpose(-1, -2)
         iters = c.sinkhorn_iters if m.normalize else 0
-        kc, ks, kz, kr = _encode_one(k, c.key_bits, iters, c.quantile)
-        vc, vs, vz, vcol = _encode_one(v, c.value_bits, iters, c.quantile)
+        passes = tile_passes(self.kernels, keys.device)
+        kc, ks, kz, kr = _encode_one(k, c.key_bits, iters, c.quantile, passes=passes)
+        vc, vs, vz, vcol = _encode_one(v, c.value_bits, iters, c.quantile, passes=passes)
         return EncodedKV(m, tuple(keys.shape), nbytes, tiles=TileFields(kc, ks, kz, kr, vc, vcol, vs, vz))
 
     def decode(self, enc: EncodedKV) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvarn.auto import AutoSettings, _error_sums, decide, decide_row
-from kvarn.codec import FIELD_ORDER, encode_tiles, kv_to_tiles, rotate_kv
+from kvarn.codec import FIELD_ORDER, encode_tiles, kv_to_tiles, numba_available, rotate_kv
 from kvarn.config import KVarNConfig
 from kvarn.flavour import (NAMED, OPTIONS, Flavours, decode_flavoured, encode_flavoured, option_index,
                            roundtrip_flavoured, roundtrip_options, select_options)
@@ -163,13 +163,18 @@ def test_bad_inputs():
         decide_row(torch.randn(3, 64, D), torch.randn(2, 64, D), torch.randn(2, 64, D), CFG)
 
 
-def test_the_options_batch_and_its_selection_are_the_per_flavour_encode_bit_for_bit():
+@pytest.mark.parametrize("kernels", ["torch", pytest.param("numba", marks=pytest.mark.skipif(
+    not numba_available(), reason="numba is not installed"))])
+def test_the_options_batch_and_its_selection_are_the_per_flavour_encode_bit_for_bit(kernels):
     # The freeze and the self-test reuse the decision's trial encodings in place of encoding the
     # prompt's tiles again: every field must be what encode_flavoured writes, one tile per row.
     k, v = _kv(m=1, h=3, n=3, seed=4)
-    tiles, kh, vh = roundtrip_options(k[0], v[0], CFG)
+    tiles, kh, vh = roundtrip_options(k[0], v[0], CFG, kernels)
     for c, (rot, norm) in enumerate(OPTIONS):
         one = Flavours(*(torch.full((1, 3), x, dtype=torch.bool) for x in (rot, norm, rot, norm)))
+        one_tiles = encode_flavoured(k, v, one, CFG, "torch")
+        for name in FIELD_ORDER:
+            assert torch.equal(getattr(tiles, name)[c], getattr(one_tiles, name)[0]), (c, name)
         dk, dv = roundtrip_flavoured(k, v, one, CFG)
         assert torch.equal(kh[c], dk[0]) and torch.equal(vh[c], dv[0])
     flags = [torch.tensor(x) for x in ([True, False, True], [True, True, False], [False, True, False],

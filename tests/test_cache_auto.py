@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("transformers")
 
 from kvarn.cache import KVarNCache  # noqa: E402
+from kvarn.auto import TRIAL_TILES  # noqa: E402
 from kvarn.cache.auto import KVarNAutoLayer  # noqa: E402
 
 G = S = 32
@@ -188,27 +189,28 @@ def test_rule_r3_falls_back_per_row_when_the_prompt_is_short(smollm2):
 
 
 def test_the_prompts_tiles_from_the_trial_are_the_encoded_tiles(smollm2, monkeypatch):
-    """The first freeze stores the decision's trial encodings of the prompt: the same bits as
-    encoding the tiles again, row by row of a left-padded batch."""
+    """The first freeze stores the decision's trial encodings of the prompt (and encodes the
+    tiles past the trial): the same bits as encoding the tiles again, row by row of a left-padded
+    batch whose longer row has more tiles than the trial."""
     model, tok = smollm2
     texts = [LONG * 2, LONG]
     known = KVarNAutoLayer._known_encoding
     used = []
 
-    def spy(self, rows):
-        enc = known(self, rows)
+    def spy(self, rows, keys, values):
+        enc = known(self, rows, keys, values)
         used.append(enc is not None)
         return enc
 
     def stored(cache):
         _generate(model, tok, texts, cache, n=2)
+        assert cache.layers[0].store.counts[0] > TRIAL_TILES  # the long row has tiles past the trial
         return [la.store.fields for la in cache.layers]
 
     monkeypatch.setattr(KVarNAutoLayer, "_known_encoding", spy)
     reused = stored(KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL))
     assert used[0] and sum(used) == 30  # each layer's prompt freeze, not the later ones
-    monkeypatch.setattr(KVarNAutoLayer, "_known_encoding", lambda self, rows: None)
+    monkeypatch.setattr(KVarNAutoLayer, "_known_encoding", lambda self, rows, keys, values: None)
     encoded = stored(KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL))
-    assert reused[0]["k_codes"].shape[2] >= 3  # several prompt tiles per row
     for a, b in zip(reused, encoded):
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)

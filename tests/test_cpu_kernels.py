@@ -125,3 +125,34 @@ def test_packed_matmul_equals_the_unpacked_product(bits):
         cpu_kernels.packed_matmul(a, codes, 3)
     with pytest.raises(TypeError, match="packed uint8"):
         cpu_kernels.packed_matmul(a, codes.to(torch.int16), bits)
+
+
+@pytest.mark.parametrize("method", ["kvarn", "kivi", "varn", "rtn"])
+def test_the_codec_kernels_store_the_same_bits(smollm2_kv, method):
+    """TileCodec's numba passes (its CPU default) and its torch operations write the same fields, for
+    the spec's pipeline, the unrotated and unnormalized methods, and kvarn-auto's mixed flavours."""
+    from kvarn.flavour import Flavours
+    from kvarn.methods import TileCodec
+
+    cfg = KVarNConfig.from_name("k2v2_g128")
+    keys, values = smollm2_kv[5]
+    fast, ref = TileCodec(method, cfg, "numba"), TileCodec(method, cfg, "torch")
+    assert TileCodec(method, cfg).kernels == "auto" and codec.tile_passes("auto", keys.device) is cpu_kernels.TilePasses
+    _assert_same(fast.encode(keys, values).tiles, ref.encode(keys, values).tiles)
+    mixed = Flavours(*(torch.tensor([[True, False, True]]) ^ torch.tensor(i % 2 == 1) for i in range(4)))
+    auto_fast, auto_ref = TileCodec("kvarn-auto", cfg, "numba"), TileCodec("kvarn-auto", cfg, "torch")
+    _assert_same(auto_fast.encode(keys, values, mixed).tiles, auto_ref.encode(keys, values, mixed).tiles)
+
+
+def test_the_codec_kernels_choice_is_checked():
+    from kvarn.cache import KVarNCache
+    from kvarn.methods import TileCodec
+
+    cfg = KVarNConfig.from_name("k2v2_g128")
+    with pytest.raises(ValueError, match=r"kernels='triton'; choose one of \['auto', 'torch', 'numba'\]"):
+        TileCodec("kvarn", cfg, "triton")
+    with pytest.raises(ValueError, match="kernels='numba' encodes CPU tensors only, these are on meta"):
+        codec.tile_passes("numba", torch.device("meta"))
+    assert codec.tile_passes("auto", torch.device("meta")) is None and codec.tile_passes("torch", torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="transformers' own quantized cache"):
+        KVarNCache(None, "hf-quanto", "k4v4_g128", kernels="numba")

@@ -63,7 +63,8 @@ class KVarNAutoLayer(KVarNLayer):
         """Decide from the prefill: query ``[B, Hq, L, D]``, keys/values ``[B, Hk, L, D]`` (pads included)."""
         if self.decision is not None or not self.is_initialized or any(self.store.counts):
             return
-        decision = decide(query, keys, values, self.codec.config, self.pads, self.settings, scaling)
+        decision = decide(query, keys, values, self.codec.config, self.pads, self.settings, scaling,
+                          getattr(self.codec, "kernels", "auto"))
         if type(self.codec) is not TileCodec:
             # The trial encodings are the torch codec's; another codec (the Triton flush) stores
             # its own bits, so its tiles are encoded by it, and the trial's are not kept.
@@ -86,20 +87,34 @@ class KVarNAutoLayer(KVarNLayer):
             for row in self.decision.rows:
                 row.prompt_tiles = None  # used by the prompt's freeze, or never usable
 
-    def _known_encoding(self, rows: list[int]) -> EncodedKV | None:
-        """The prompt's tiles from the decision's trial encodings (the same fields the codec would
-        write: its encode is per tile), at the first freeze, where every row has them."""
+    def _known_encoding(self, rows: list[int], keys: torch.Tensor, values: torch.Tensor) -> EncodedKV | None:
+        """The prompt's tiles, at the first freeze where every row has the decision's trial
+        encodings: a row's first tiles are the trial's (the same fields the codec would write: its
+        encode is per tile), the ones past the trial are encoded here with the row's flavours."""
         if self.decision is None or any(self.store.counts):
             return None
-        counts = {b: rows.count(b) for b in dict.fromkeys(rows)}
+        counts = {b: rows.count(b) for b in dict.fromkeys(rows)}  # freeze lists each row's tiles together
         decisions = self.decision.rows
-        if any(decisions[b].prompt_tiles is None or decisions[b].prompt_tiles.k_codes.shape[2] != n
-               for b, n in counts.items()):
+        if any(decisions[b].prompt_tiles is None for b in counts):
             return None
-        per_row = [decisions[b].prompt_fields().map(lambda x: x.transpose(0, 1).unsqueeze(2)) for b in counts]
-        tiles = TileFields(**{name: torch.cat([getattr(f, name) for f in per_row]) for name in FIELD_ORDER})
-        m, g, d = len(rows), self.codec.config.tile, self.head_dim
+        parts, trial_at, rest_at, m = [], [], [], 0
+        for b, n in counts.items():
+            f = decisions[b].prompt_fields().map(lambda x: x.transpose(0, 1).unsqueeze(2))  # [N, Hk, 1, ...]
+            nt = min(n, f.k_codes.shape[0])
+            parts.append(f.map(lambda x: x[:nt]))
+            trial_at += range(m, m + nt)
+            rest_at += range(m + nt, m + n)
+            m += n
         flavours = self.store.flavours.select(torch.tensor(rows, device=self.device))
+        if rest_at:
+            idx = torch.tensor(rest_at, device=keys.device)
+            rest = self.codec.encode(keys[idx], values[idx], flavours.select(idx)).tiles
+            parts.append(rest)
+        tiles = TileFields(**{name: torch.cat([getattr(f, name) for f in parts]) for name in FIELD_ORDER})
+        if rest_at:  # back to the order of rows
+            order = torch.tensor(trial_at + rest_at).argsort()
+            tiles = tiles.map(lambda x: x[order.to(x.device)])
+        g, d = self.codec.config.tile, self.head_dim
         nbytes = int(round(self.codec.bytes_per_token(d) * m * self.heads * g))
         return EncodedKV(self.codec.method, (m, self.heads, g, d), nbytes, tiles=tiles, flavours=flavours)
 

@@ -241,7 +241,8 @@ class KVarNLayer(CacheLayerMixin):
             plan.append((to_sink, to_sink + n * g))
         if rows:
             # cat copies before the tail shifts
-            self.store.append(rows, torch.cat(ks), torch.cat(vs), self._known_encoding(rows))
+            keys, values = torch.cat(ks), torch.cat(vs)
+            self.store.append(rows, keys, values, self._known_encoding(rows, keys, values))
         self._ensure_sink(max(s + t for s, (t, _) in zip(self.sink_len, plan)))
         for b, (to_sink, consumed) in enumerate(plan):
             if to_sink:
@@ -256,9 +257,9 @@ class KVarNLayer(CacheLayerMixin):
                 self.tail_len[b] = t - consumed
         self._shrink_tail()
 
-    def _known_encoding(self, rows: list[int]):
-        """The encoding of the tiles :meth:`freeze` stores now (rows as ``store.append`` takes them),
-        where one is at hand; None: the store encodes them."""
+    def _known_encoding(self, rows: list[int], keys: torch.Tensor, values: torch.Tensor):
+        """The encoding of the tiles :meth:`freeze` stores now (rows, keys and values as
+        ``store.append`` takes them), where one is at hand; None: the store encodes them."""
         return None
 
     def _shrink_tail(self) -> None:

@@ -229,11 +229,14 @@ class KVarNCache(Cache):
     overrides: KVarNConfig fields (``tile``, ``sink_tokens``, ``sinkhorn_iters``,
         ``quantize_sliding_window``, ...).
     auto: :class:`kvarn.auto.AutoSettings` of ``kvarn-auto`` (decision rule, sampled queries).
+    kernels: who makes the codec's passes over the tiles (:class:`kvarn.methods.TileCodec`):
+        ``"auto"`` (numba's loops on CPU where numba is installed: the same bits, the encode 2-3x
+        faster), ``"numba"`` or ``"torch"``.
     """
 
     def __init__(self, model_or_config=None, method: str = "kvarn", preset: str | KVarNConfig = "k2v2_g128",
                  *, attention_mask: torch.Tensor | None = None, decoded_cache: bool = False,
-                 auto: AutoSettings | None = None, **overrides):
+                 auto: AutoSettings | None = None, kernels: str = "auto", **overrides):
         self.method = _get_any_method(method)
         self._padding = _Padding()
         self._hook = None
@@ -245,10 +248,13 @@ class KVarNCache(Cache):
             logger.warning("kvarn-auto without the model (a config or None) cannot see the prefill's queries: "
                            "every layer uses KVarN unless its observe_prompt() is called")
         if self.method.name in HF_METHODS:
+            if kernels != "auto":
+                raise ValueError(f"kernels={kernels!r} chooses kvarn's codec passes; method {self.method.name!r} "
+                                 "is transformers' own quantized cache (leave kernels='auto')")
             self._init_hf(model_or_config, preset, overrides, attention_mask)
             return
         self.config = _make_config(preset, overrides)
-        self.codec = TileCodec(self.method, self.config)
+        self.codec = TileCodec(self.method, self.config, kernels)
         layer_cls = KVarNLayer
         if self.method.name == "kvarn-auto":
             layer_cls = functools.partial(KVarNAutoLayer, settings=auto or AutoSettings())

@@ -37,7 +37,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from ...codec import decode_tiles, record_field_views
+from ...codec import decode_tiles, numba_available, record_field_views
 from ...config import PRESETS, KVarNConfig, supported_head_dims
 from ...folded import folded_decode_attention, scratch_buffer
 from ...hadamard import rotate
@@ -109,14 +109,6 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[StepPlan | WindowMetadata]):
                 cam.seq_lens[:r].cpu(), cam.block_table_tensor[:r].cpu(), prefilling, cam.slot_mapping.cpu(),
                 cam.num_actual_tokens, self.num_layers)
         return plan.to(self.device)
-
-
-def _numba_available() -> bool:
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _is_windowed(spec: AttentionSpec) -> bool:
@@ -245,7 +237,7 @@ class KVarNAttentionImpl(AttentionImpl[StepPlan]):
                 if x.is_cuda:
                     mode = "triton" if self.head_size >= 64 and self.config.tile >= 64 else "torch"
                 else:
-                    mode = "numba" if _numba_available() else "torch"
+                    mode = "numba" if numba_available() else "torch"
             if mode == "numba" and x.device.type != "cpu":
                 raise ValueError(f"kvarn kernels='numba' runs on CPU tensors only, this engine's are on {x.device}; "
                                  "choose 'auto', 'triton' or 'torch'")
