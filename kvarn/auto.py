@@ -1,9 +1,9 @@
 """kvarn-auto: the flavour of every (row, KV head) of a layer, chosen once from the prompt.
 
 No calibration data: the choice uses only what the cache sees at prefill, the prompt's own queries,
-keys (after RoPE) and values. For one row and one KV head, with ``S`` sink tokens, tile ``G`` and
-the first ``n = min((T - S) // G, TRIAL_TILES)`` full tiles past the sink (all of them up to a
-prompt of ``S + 3G`` tokens, 512 at G = 128: the self-test's history and chunks):
+keys (after RoPE) and values, of its first ``S + 3G`` tokens (``TRIAL_TILES = 3``; 512 at G = 128,
+what the self-test reads too; all of a shorter prompt). For one row and one KV head, with ``S``
+sink tokens, tile ``G`` and the ``n = min((T - S) // G, TRIAL_TILES)`` full tiles past the sink:
 
 1. Trial-quantize those tiles with each candidate flavour (:mod:`kvarn.flavour`): for a candidate
    ``c``, ``e_j = k_j - k^_j`` and ``f_j = v_j - v^_j`` for every quantized position ``j``.
@@ -26,12 +26,13 @@ prompt of ``S + 3G`` tokens, 512 at G = 128: the self-test's history and chunks)
 Cost: the trial is one encode and decode of its tiles per option (two of them normalized), and its
 encodings are kept (:attr:`RowDecision.prompt_tiles`) so that the freeze of those tiles and the
 self-test's first tile need no encode of their own; a longer prompt's later tiles are encoded once,
-with the chosen flavours, by the freeze. Capping the trial keeps the decision's cost flat in the
-prompt's length (at 2048 tokens on SmolLM2 the uncapped trial and error sums were 4.4 s against a
-5.3 s prefill, one thread) and leaves every decision on prompts up to ``S + 3G`` tokens as it was.
-Queries are sampled at ``max_queries`` evenly spaced positions past the sink, and each block of
-them reads only the keys it can see (about half the pairs), so the four options' key and value
-errors together cost about ``4 * Hq * max_queries * T * D`` multiply-adds, plus one attention pass of
+with the chosen flavours, by the freeze. Reading only the first ``S + 3G`` tokens keeps the
+decision's cost flat in the prompt's length (at 2048 tokens on SmolLM2 the trial and error sums
+over the whole prompt were 4.4 s against a 5.3 s prefill, one thread), and a longer prompt decides
+exactly as its first ``S + 3G`` tokens would. Queries are sampled at ``max_queries`` evenly spaced
+positions past the sink, and each block of them reads only the keys it can see (about half the
+pairs), so the four options' key and value errors together cost about
+``4 * Hq * max_queries * T * D`` multiply-adds (``T <= S + 3G``), plus one attention pass of
 ``max_queries`` queries for ``p``.
 
 Fallback: a row whose prompt has no full tile past the sink (``T < S + G``) keeps the spec's KVarN on
@@ -241,9 +242,11 @@ def decide_row(
     k_err = (k[None, :, body] - kh).permute(1, 2, 0, 3).contiguous()
     v_err = (v[None, :, body] - vh).permute(1, 2, 0, 3).contiguous()
 
-    # Sampled query positions past the sink, each seeing the quantized keys j <= i.
-    nq = min(settings.max_queries, t - s)
-    pos = torch.linspace(s, t - 1, nq, device=k.device).round().long().unique()
+    # Sampled query positions past the sink, each seeing the quantized keys j <= i, within the
+    # prompt's first S + TRIAL_TILES * G tokens (module docstring, "Cost").
+    horizon = min(t, s + TRIAL_TILES * g)
+    nq = min(settings.max_queries, horizon - s)
+    pos = torch.linspace(s, horizon - 1, nq, device=k.device).round().long().unique()
     key_sum, value_sum, pairs = _error_sums(q, k, k_err, v_err, pos, s, scale)
     grp = hq // hk
     key_scores = key_sum / pairs  # [Hk, 4]: mean over causal (query, key) pairs and query heads

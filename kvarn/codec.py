@@ -28,6 +28,7 @@ transposed (:func:`record_layout`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, fields
@@ -159,7 +160,15 @@ def tile_passes(kernels: str, device: torch.device):
         raise ValueError(f"kernels='numba' encodes CPU tensors only, these are on {device}; choose 'auto' or 'torch'")
     from .cpu_kernels import TilePasses  # ImportError naming numba where it is missing
 
+    _log_numba_once(kernels)
     return TilePasses
+
+
+@functools.cache
+def _log_numba_once(kernels: str) -> None:
+    # The first encode of a process compiles the loops (or loads them from numba's disk cache).
+    logger.info("tile encode on CPU: numba kernels (kernels=%r); the first call compiles them "
+                "(about 10 s once per install, then 1-2 s from numba's disk cache)", kernels)
 
 
 def encode_tiles(k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConfig, passes=None) -> TileFields:

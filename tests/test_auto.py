@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvarn.auto import AutoSettings, _error_sums, decide, decide_row
+from kvarn.auto import TRIAL_TILES, AutoSettings, _error_sums, decide, decide_row
 from kvarn.codec import FIELD_ORDER, encode_tiles, kv_to_tiles, numba_available, rotate_kv
 from kvarn.config import KVarNConfig
 from kvarn.flavour import (NAMED, OPTIONS, Flavours, decode_flavoured, encode_flavoured, option_index,
@@ -82,6 +82,22 @@ def test_short_prompt_falls_back_to_kvarn(t):
     assert not d.decided and d.prompt_tokens == t
     flags = (d.key_rotate, d.key_normalize, d.value_rotate, d.value_normalize)
     assert all(bool(f.all()) for f in flags) and d.key_logit_error is None
+
+
+def test_a_long_prompt_decides_as_its_first_sink_plus_three_tiles():
+    """The decision reads the first S + TRIAL_TILES * G tokens: a prompt twice as long, whose later
+    tokens look nothing like its start, gets the scores, flags and trial encodings of its prefix."""
+    horizon = CFG.sink_tokens + TRIAL_TILES * CFG.tile
+    q, k, v = _aligned_case(False, t=2 * horizon, seed=3)
+    q[:, horizon:], k[:, horizon:] = q[:, horizon:].flip(-1) * 5, k[:, horizon:].flip(-1) * 5
+    full, prefix = decide_row(q, k, v, CFG), decide_row(q[:, :horizon], k[:, :horizon], v[:, :horizon], CFG)
+    assert full.prompt_tokens == 2 * horizon and full.prompt_tiles.k_codes.shape[2] == TRIAL_TILES
+    assert torch.equal(full.key_logit_error, prefix.key_logit_error)
+    assert torch.equal(full.value_output_error, prefix.value_output_error)
+    for name in ("key_rotate", "key_normalize", "value_rotate", "value_normalize"):
+        assert torch.equal(getattr(full, name), getattr(prefix, name)), name
+    for name in FIELD_ORDER:
+        assert torch.equal(getattr(full.prompt_tiles, name), getattr(prefix.prompt_tiles, name)), name
 
 
 def test_left_padded_batch_each_row_decides_alone():

@@ -30,15 +30,16 @@ def _assert_same(a, b):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+@pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("preset", ["k2v2_g128", "k4v2_g128", "k4v4_g128", "k4v2_g64"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_records_equal_the_torch_codec(preset, d):
+def test_records_equal_the_torch_codec(preset, d, parallel):
     cfg = KVarNConfig.from_name(preset)
     k, v = _kv_tiles(d, 3, 2, d, cfg.tile)
     k[0, 0, 5] = 0.0  # a constant (zero) row: its deviation is 0, clamped to 1e-3
     v[1, 1, :, 7] = 2.5  # a constant column
     k[2, 1] = 1.0  # a constant tile
-    _assert_same(cpu_kernels.encode_tiles(k, v, cfg), codec.encode_tiles(k, v, cfg))
+    _assert_same(cpu_kernels.encode_tiles(k, v, cfg, parallel), codec.encode_tiles(k, v, cfg))
 
 
 @settings(max_examples=15, deadline=None)
@@ -49,12 +50,14 @@ def test_records_equal_on_random_tiles(seed, spread, iters):
     _assert_same(cpu_kernels.encode_tiles(k, v, cfg), codec.encode_tiles(k, v, cfg))
 
 
-def test_records_equal_on_real_kv(smollm2_kv):
+@pytest.mark.parametrize("parallel", [False, True])
+def test_records_equal_on_real_kv(smollm2_kv, parallel):
     cfg = KVarNConfig.from_name("k2v2_g128")
     keys, values = smollm2_kv[3]  # [1, 3, 512, 64]
     k_rot, v_rot = rotate_kv(keys, cfg), rotate_kv(values, cfg)
     k_tiles, v_tiles = codec.kv_to_tiles(k_rot, v_rot, cfg.tile)
-    _assert_same(cpu_kernels.encode_tiles(k_tiles, v_tiles, cfg), codec.encode_tiles(k_tiles, v_tiles, cfg))
+    _assert_same(cpu_kernels.encode_tiles(k_tiles, v_tiles, cfg, parallel),
+                 codec.encode_tiles(k_tiles, v_tiles, cfg))
 
 
 def test_passes_equal_the_torch_workspace():
@@ -156,3 +159,26 @@ def test_the_codec_kernels_choice_is_checked():
     assert codec.tile_passes("auto", torch.device("meta")) is None and codec.tile_passes("torch", torch.device("cpu")) is None
     with pytest.raises(ValueError, match="transformers' own quantized cache"):
         KVarNCache(None, "hf-quanto", "k4v4_g128", kernels="numba")
+
+
+def test_the_codec_never_starts_numbas_thread_pool():
+    """The caches' codec runs serial loops: numba's OpenMP pool, which slows torch and numba about
+    10x once torch.set_num_threads(2+) has been called (cpu_kernels' docstring), is never started."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, numba\n"
+        "torch.set_num_threads(2)\n"
+        "from kvarn import KVarNConfig\n"
+        "from kvarn.methods import TileCodec\n"
+        "k = torch.randn(1, 2, 256, 64)\n"
+        "TileCodec('kvarn', KVarNConfig.from_name('k2v2_g128'), 'numba').encode(k, k)\n"
+        "try:\n"
+        "    print('pool started:', numba.threading_layer())\n"
+        "except ValueError:\n"
+        "    print('no pool')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "no pool", out.stdout

@@ -74,7 +74,7 @@ def encode_records(k: torch.Tensor, v: torch.Tensor, config: KVarNConfig, kernel
     elif kernels == "numba":
         from ...cpu_kernels import encode_tiles as numba_encode_tiles
 
-        fields = numba_encode_tiles(kt, vt, config)
+        fields = numba_encode_tiles(kt, vt, config, parallel=True)
     elif kernels == "torch":
         fields = encode_tiles(kt, vt, config)
     else:
