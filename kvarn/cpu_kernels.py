@@ -192,7 +192,8 @@ def _codes_tile(y, t, step, lo, bits, packed):
 
 # Each pass over a batch of tiles, a loop over its tiles: serial (the caches' codec), or parallel
 # (the vLLM backend's commits; see the module docstring, "Threads"). The tiles are independent, so
-# both give the same bits.
+# both give the same bits. Two functions, not one compiled twice: numba's disk cache keys a compiled
+# function by its bytecode and signature, not its flags, and would hand one variant to the other.
 @njit(**_SUMS)
 def _row_std_serial(x, ea, eb, rs):
     for t in range(x.shape[0]):
