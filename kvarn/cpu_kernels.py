@@ -38,11 +38,11 @@ Threads. numba's parallel loops run on OpenMP, whose runtime torch loads first a
 shares (``NUMBA_NUM_THREADS=1`` made torch's own codec 1.7x slower). Once a program has called
 ``torch.set_num_threads`` with 2 or more, every parallel numba launch left both numba's and torch's
 work about 10x slower on two cores (measured: a 64-tile encode 40 -> 280 ms, torch's own codec
-120 -> 480 ms); numba's work-queue pool avoids that but was slower than serial loops. So the caches' codec runs the tile
-passes as serial loops (between its torch operations, which keep torch's threads). The vLLM
-backend's CPU worker does not hit the slowdown: it keeps the parallel loops it was measured with
-(``parallel=True`` for its commits, and :func:`packed_matmul`, its decode product; with serial
-commits ``bench_vllm_cpu.py`` gave the same 110-111 tokens/s).
+120 -> 480 ms); numba's work-queue pool avoids that but was slower than serial loops. So the
+caches' codec runs the tile passes as serial loops (between its torch operations, which keep
+torch's threads). The vLLM backend's CPU worker does not hit the slowdown: it keeps the parallel
+loops it was measured with (``parallel=True`` for its commits, and :func:`packed_matmul`, its
+decode product; with serial commits ``bench_vllm_cpu.py`` gave the same 110-111 tokens/s).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class KVarNAutoLayer(KVarNLayer):
         if self.decision is not None or not self.is_initialized or any(self.store.counts):
             return
         decision = decide(query, keys, values, self.codec.config, self.pads, self.settings, scaling,
-                          getattr(self.codec, "kernels", "auto"))
+                          self.codec.kernels)
         if type(self.codec) is not TileCodec:
             # The trial encodings are the torch codec's; another codec (the Triton flush) stores
             # its own bits, so its tiles are encoded by it, and the trial's are not kept.
