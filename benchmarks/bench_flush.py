@@ -7,7 +7,9 @@ path (``TileStore.encode_into``: one launch per layer that rotates, encodes, fla
 scale and writes the reserved slots) for the 32 layers, captured in one CUDA graph as a captured
 decode step runs it; and the torch codec (one call). The rotating one-launch form is also timed at
 2, 4, 8 and 16 warps (``triton_rotating_us_by_warps``; the encoder's default depends on the launch size).
-The share of a decode step is in bench_e2e.py's flush column. Prints a table, writes JSON.
+The share of a decode step is in bench_e2e.py's flush column. ``--ranges auto`` also times each
+preset with kvarn-auto's rounding ranges (2-bit rows over their quantiles: a sort per row).
+Prints a table, writes JSON.
 
     PYTHONPATH=. python benchmarks/bench_flush.py --out results/flush.json
 """
@@ -21,6 +23,7 @@ import torch
 from triton.testing import do_bench, do_bench_cudagraph
 
 from kvarn import kernels
+from kvarn.auto import auto_ranges
 from kvarn.cache.store import TileStore
 from kvarn.codec import encode_tiles as torch_encode, record_layout
 from kvarn.config import KVarNConfig
@@ -56,12 +59,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 16, 32])
     ap.add_argument("--presets", nargs="+", default=["k2v2_g128", "k4v2_g128"])
+    ap.add_argument("--ranges", nargs="+", choices=["minmax", "auto"], default=["minmax"],
+                    help="rows' ranges: minmax (the spec), auto (kvarn-auto's: quantiles for 2-bit rows)")
     ap.add_argument("--out", default="benchmarks/results/flush.json")
     a = ap.parse_args()
     dev = torch.device("cuda")
     rows = []
-    for name in a.presets:
+    for name, ranges in [(n, r) for n in a.presets for r in a.ranges]:
         cfg = KVarNConfig.from_name(name)
+        cfg = auto_ranges(cfg) if ranges == "auto" else cfg
         for b in a.batches:
             m = LAYERS * HK * b
             g = torch.Generator(device=dev).manual_seed(b)
@@ -87,7 +93,7 @@ def main():
 
             t_layers = do_bench_cudagraph(per_layer, rep=100, return_mode="median") * 1e-3
             t_path = cache_path_us(cfg, b, dev) * 1e-6
-            row = {"preset": name, "batch": b, "tiles": 2 * m, "triton_us": t_tr * 1e6, "torch_us": t_th * 1e6,
+            row = {"preset": name, "ranges": ranges, "batch": b, "tiles": 2 * m, "triton_us": t_tr * 1e6, "torch_us": t_th * 1e6,
                    "triton_rotating_us": t_rot * 1e6,
                    "triton_per_layer_launches_us": t_layers * 1e6, "cache_path_us": t_path * 1e6,
                    "triton_rotating_us_by_warps": warps,
@@ -96,10 +102,10 @@ def main():
             print(json.dumps(row), flush=True)
     with open(a.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
-    print("| preset | B | K+V tiles | Triton, one launch µs | same, rotating model-frame tiles µs | Triton, a launch "
-          "per layer µs | cache flush path (32 layers, captured) µs | torch codec µs |\n|---|---|---|---|---|---|---|---|")
+    print("| preset | ranges | B | K+V tiles | Triton, one launch µs | same, rotating model-frame tiles µs | Triton, a launch "
+          "per layer µs | cache flush path (32 layers, captured) µs | torch codec µs |\n|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['preset']} | {r['batch']} | {r['tiles']} | {r['triton_us']:.0f} | {r['triton_rotating_us']:.0f} | "
+        print(f"| {r['preset']} | {r['ranges']} | {r['batch']} | {r['tiles']} | {r['triton_us']:.0f} | {r['triton_rotating_us']:.0f} | "
               f"{r['triton_per_layer_launches_us']:.0f} | {r['cache_path_us']:.0f} | {r['torch_us']:.0f} |")
 
 

@@ -176,8 +176,9 @@ def encode_tiles(k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConf
     ``passes``: see ``_encode_one`` (:func:`kvarn.cpu_kernels.encode_tiles` sets it)."""
     k_tiles = k_tiles.to(torch.float32)
     v_tiles = v_tiles.to(torch.float32)
-    kc, ks, kz, kr = _encode_one(k_tiles, config.key_bits, config.sinkhorn_iters, config.quantile, passes=passes)
-    vc, vs, vz, vcol = _encode_one(v_tiles, config.value_bits, config.sinkhorn_iters, config.quantile, passes=passes)
+    kq, vq = config.quantiles
+    kc, ks, kz, kr = _encode_one(k_tiles, config.key_bits, config.sinkhorn_iters, kq, passes=passes)
+    vc, vs, vz, vcol = _encode_one(v_tiles, config.value_bits, config.sinkhorn_iters, vq, passes=passes)
     return TileFields(kc, ks, kz, kr, vc, vcol, vs, vz)
 
 

@@ -40,7 +40,10 @@ class KVarNConfig:
     sinkhorn_iters: T, iterations of the dual-axis normalization (8 default, 16 in the paper).
     sink_tokens: S, full-precision tokens at the start of every sequence (default: one tile).
         Must be a multiple of the tile so that quantized tiles stay aligned to G.
-    quantile: 0 uses min/max per row; q > 0 uses the [q, 1-q] quantiles instead (docs/algorithm.md section 3).
+    key_quantile / value_quantile: the range each row of K / V is rounded over (docs/algorithm.md
+        section 3): 0 is the spec's min/max, q > 0 the row's [q, 1-q] quantiles. None (default):
+        the method's own range, min/max for every method except kvarn-auto, which uses the
+        quantiles for 2-bit rows (:func:`kvarn.auto.auto_ranges`). :attr:`quantiles` resolves None to 0.
     rotation_dtype: "float32" (default, preferred on CPU) or "float16" (the reference implementation).
     quantize_sliding_window: quantize layers with sliding-window attention (off by default).
     """
@@ -50,7 +53,8 @@ class KVarNConfig:
     tile: int = 128
     sinkhorn_iters: int = 8
     sink_tokens: int | None = None
-    quantile: float = 0.0
+    key_quantile: float | None = None
+    value_quantile: float | None = None
     rotation_dtype: str = "float32"
     quantize_sliding_window: bool = False
 
@@ -69,8 +73,10 @@ class KVarNConfig:
             raise ValueError(
                 f"sink_tokens={self.sink_tokens!r} must be a non-negative multiple of tile={self.tile}"
             )
-        if not (0.0 <= self.quantile < 0.5):
-            raise ValueError(f"quantile={self.quantile!r} must be in [0, 0.5)")
+        for field in ("key_quantile", "value_quantile"):
+            v = getattr(self, field)
+            if v is not None and not (isinstance(v, (int, float)) and 0.0 <= v < 0.5):
+                raise ValueError(f"{field}={v!r} must be None or a number in [0, 0.5)")
         if self.rotation_dtype not in ("float32", "float16"):
             raise ValueError(f"rotation_dtype={self.rotation_dtype!r}; choose 'float32' or 'float16'")
 
@@ -80,6 +86,11 @@ class KVarNConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; valid presets: {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
+
+    @property
+    def quantiles(self) -> tuple[float, float]:
+        """(keys, values): the quantile each tensor's rows are rounded between, 0.0 for min/max."""
+        return (float(self.key_quantile or 0.0), float(self.value_quantile or 0.0))
 
     @property
     def name(self) -> str:

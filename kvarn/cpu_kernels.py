@@ -59,7 +59,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 
 from .config import SUPPORTED_BITS, KVarNConfig
-from .quantize import row_step
+from .quantize import quantile_ranks, row_step
 
 __all__ = ["encode_tiles", "packed_matmul", "TilePasses", "warm_up"]
 
@@ -188,6 +188,50 @@ def _codes_tile(y, t, step, lo, bits, packed):
         _pack_row(codes, bits, row)
         for k in range(row.shape[0]):
             packed[t, k, i] = row[k]
+
+
+@njit(**_EXACT)
+def _order_stats_rows(y, low, high):
+    """Per row of ``y [N, C]``: its ``k`` smallest values ascending into ``low [N, k]`` and its ``m``
+    largest descending into ``high [N, m]``, by insertion into the short sorted buffers (the few
+    ranks a small quantile reads; torch.topk's values exactly). Finite rows only (the caller checks)."""
+    n, c = y.shape
+    k, m = low.shape[1], high.shape[1]
+    for r in range(n):
+        for j in range(k):
+            low[r, j] = np.inf
+        for j in range(m):
+            high[r, j] = -np.inf
+        lt, ht = low[r, k - 1], high[r, m - 1]  # the buffers' last entries: most values pass both
+        for i in range(c):
+            v = y[r, i]
+            if v < lt:
+                j = k - 1
+                while j > 0 and low[r, j - 1] > v:
+                    low[r, j] = low[r, j - 1]
+                    j -= 1
+                low[r, j] = v
+                lt = low[r, k - 1]
+            if v > ht:
+                j = m - 1
+                while j > 0 and high[r, j - 1] < v:
+                    high[r, j] = high[r, j - 1]
+                    j -= 1
+                high[r, j] = v
+                ht = high[r, m - 1]
+
+
+def order_statistics(y: torch.Tensor, quantile: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kvarn.quantize.order_statistics` as a numba loop (the same values; 5-10x faster on
+    CPU for kvarn-auto's 2-bit rows, where torch.topk's per-row cost was most of a trial encode)."""
+    n = y.shape[-1]
+    (_, a0, _), (b1, _, _) = quantile_ranks(quantile, n)
+    flat = _flat(y, n)
+    low = np.empty((flat.shape[0], a0 + 1), np.float32)
+    high = np.empty((flat.shape[0], n - b1), np.float32)
+    _order_stats_rows(flat, low, high)
+    lead = tuple(y.shape[:-1])
+    return torch.from_numpy(low).reshape(*lead, a0 + 1), torch.from_numpy(high).reshape(*lead, n - b1)
 
 
 # Each pass over a batch of tiles, a loop over its tiles: serial (the caches' codec), or parallel
@@ -328,7 +372,7 @@ class TilePasses:
         n, per = self.x.shape[0], 8 // bits
         y = np.empty_like(self.x)
         self._apply(self.x, ea, eb, y)
-        step, lo = row_step(torch.from_numpy(y), bits, quantile)
+        step, lo = row_step(torch.from_numpy(y), bits, quantile, order_statistics)
         packed = np.empty((n, self.c // per, self.r), np.uint8)
         self._codes(y, step.numpy(), lo.numpy(), bits, packed)
         return (torch.from_numpy(packed).reshape(*self.lead, self.c // per, self.r),

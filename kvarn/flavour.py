@@ -95,19 +95,20 @@ def _select_rotate(x: torch.Tensor, flag: torch.Tensor, config: KVarNConfig) -> 
     return torch.where(flag[:, :, None, None], rot, x) if not bool(flag.all()) else rot
 
 
-def _encode_mixed(x: torch.Tensor, normalize: torch.Tensor, bits: int, config: KVarNConfig, passes=None):
-    """Tiles ``x [M, Hk, N, R, C]``; Sinkhorn where ``normalize [M, Hk]``, the identity elsewhere.
-    ``passes``: see :func:`kvarn.codec.tile_passes`."""
+def _encode_mixed(x: torch.Tensor, normalize: torch.Tensor, bits: int, quantile: float, config: KVarNConfig,
+                  passes=None):
+    """Tiles ``x [M, Hk, N, R, C]``; Sinkhorn where ``normalize [M, Hk]``, the identity elsewhere;
+    rows rounded over their ``[quantile, 1 - quantile]`` range. ``passes``: see :func:`kvarn.codec.tile_passes`."""
     iters = config.sinkhorn_iters
     if bool(normalize.all()) or iters == 0:
-        return _encode_one(x, bits, iters, config.quantile, passes=passes)
+        return _encode_one(x, bits, iters, quantile, passes=passes)
     if not bool(normalize.any()):
-        return _encode_one(x, bits, 0, config.quantile, passes=passes)
+        return _encode_one(x, bits, 0, quantile, passes=passes)
     m, h = normalize.shape
     flat = x.reshape(m * h, *x.shape[2:])
     sel = normalize.reshape(-1)
-    on = _encode_one(flat[sel], bits, iters, config.quantile, passes=passes)
-    off = _encode_one(flat[~sel], bits, 0, config.quantile, passes=passes)
+    on = _encode_one(flat[sel], bits, iters, quantile, passes=passes)
+    off = _encode_one(flat[~sel], bits, 0, quantile, passes=passes)
     out = []
     for a, b in zip(on, off):
         y = a.new_empty(m * h, *a.shape[1:])
@@ -131,8 +132,9 @@ def encode_flavoured(keys: torch.Tensor, values: torch.Tensor, flavours: Flavour
     k = _select_rotate(keys, flavours.key_rotate, config).reshape(m, h, t // g, g, d).transpose(-1, -2)
     v = _select_rotate(values, flavours.value_rotate, config).reshape(m, h, t // g, g, d)
     passes = tile_passes(kernels, keys.device)
-    kc, ks, kz, kr = _encode_mixed(k, flavours.key_normalize, config.key_bits, config, passes)
-    vc, vs, vz, vcol = _encode_mixed(v, flavours.value_normalize, config.value_bits, config, passes)
+    kq, vq = config.quantiles
+    kc, ks, kz, kr = _encode_mixed(k, flavours.key_normalize, config.key_bits, kq, config, passes)
+    vc, vs, vz, vcol = _encode_mixed(v, flavours.value_normalize, config.value_bits, vq, config, passes)
     return TileFields(kc, ks, kz, kr, vc, vcol, vs, vz)
 
 
@@ -171,10 +173,11 @@ def roundtrip_options(keys: torch.Tensor, values: torch.Tensor, config: KVarNCon
     # Rows in OPTIONS order within each call: (rotated, model frame).
     k = torch.cat([rot_k, plain_k]).reshape(2, h, t // g, g, d).transpose(-1, -2)
     v = torch.cat([rot_v, plain_v]).reshape(2, h, t // g, g, d)
-    norm_k = _encode_one(k, config.key_bits, config.sinkhorn_iters, config.quantile, passes=passes)
-    bare_k = _encode_one(k, config.key_bits, 0, config.quantile, passes=passes)
-    norm_v = _encode_one(v, config.value_bits, config.sinkhorn_iters, config.quantile, passes=passes)
-    bare_v = _encode_one(v, config.value_bits, 0, config.quantile, passes=passes)
+    kq, vq = config.quantiles
+    norm_k = _encode_one(k, config.key_bits, config.sinkhorn_iters, kq, passes=passes)
+    bare_k = _encode_one(k, config.key_bits, 0, kq, passes=passes)
+    norm_v = _encode_one(v, config.value_bits, config.sinkhorn_iters, vq, passes=passes)
+    bare_v = _encode_one(v, config.value_bits, 0, vq, passes=passes)
     kc, ks, kz, kr = (torch.cat(pair) for pair in zip(norm_k, bare_k))
     vc, vs, vz, vcol = (torch.cat(pair) for pair in zip(norm_v, bare_v))
     stacked = TileFields(kc, ks, kz, kr, vc, vcol, vs, vz)

@@ -22,7 +22,9 @@ an fp16 column scale. Stored bytes count codes plus exactly the scales each meth
 
 ``kvarn-auto`` stores the spec's KVarN records; which of rotation and normalization each (row, KV head)
 uses is decided from the prompt (:mod:`kvarn.auto`) and passed to :meth:`TileCodec.encode` /
-:meth:`TileCodec.decode` as :class:`kvarn.flavour.Flavours`. Without flavours it is KVarN exactly.
+:meth:`TileCodec.decode` as :class:`kvarn.flavour.Flavours`. Its rows of 2-bit codes are rounded
+over their [q, 1 - q] quantiles (:func:`kvarn.auto.auto_ranges`, resolved into the codec's config
+where the caller's config leaves the ranges open); without flavours it is KVarN with those ranges.
 """
 
 from __future__ import annotations
@@ -112,6 +114,10 @@ class TileCodec:
             raise ValueError(f"kernels={kernels!r}; choose one of {list(CODEC_KERNELS)}")
         if kernels == "numba":
             from . import cpu_kernels  # noqa: F401  (the ImportError naming numba now, not at the first encode)
+        if self.method.name == "kvarn-auto":
+            from .auto import auto_ranges
+
+            config = auto_ranges(config)
         self.config = config
         self.kernels = kernels
 
@@ -162,8 +168,9 @@ class TileCodec:
             k = k.transpose(-1, -2)
         iters = c.sinkhorn_iters if m.normalize else 0
         passes = tile_passes(self.kernels, keys.device)
-        kc, ks, kz, kr = _encode_one(k, c.key_bits, iters, c.quantile, passes=passes)
-        vc, vs, vz, vcol = _encode_one(v, c.value_bits, iters, c.quantile, passes=passes)
+        kq, vq = c.quantiles
+        kc, ks, kz, kr = _encode_one(k, c.key_bits, iters, kq, passes=passes)
+        vc, vs, vz, vcol = _encode_one(v, c.value_bits, iters, vq, passes=passes)
         return EncodedKV(m, tuple(keys.shape), nbytes, tiles=TileFields(kc, ks, kz, kr, vc, vcol, vs, vz))
 
     def decode(self, enc: EncodedKV) -> tuple[torch.Tensor, torch.Tensor]:

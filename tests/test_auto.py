@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvarn.auto import TRIAL_TILES, AutoSettings, _error_sums, decide, decide_row
+from kvarn.auto import LOW_BIT_QUANTILE, TRIAL_TILES, AutoSettings, _error_sums, auto_ranges, decide, decide_row
 from kvarn.codec import FIELD_ORDER, encode_tiles, kv_to_tiles, numba_available, rotate_kv
 from kvarn.config import KVarNConfig
 from kvarn.flavour import (NAMED, OPTIONS, Flavours, decode_flavoured, encode_flavoured, option_index,
@@ -134,9 +134,32 @@ def test_kvarn_flavour_is_the_spec_codec_bit_for_bit():
     ref = encode_tiles(*kv_to_tiles(rotate_kv(k, CFG), rotate_kv(v, CFG), CFG.tile), CFG)
     for name in ("k_codes", "k_row_scale", "k_row_zero", "k_col_scale", "v_codes", "v_col_scale", "v_row_scale"):
         assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    # Without flavours kvarn-auto is KVarN with its own ranges (quantiles for 2-bit rows).
     a = TileCodec("kvarn-auto", CFG).encode(k, v).tiles
-    b = TileCodec("kvarn", CFG).encode(k, v).tiles
-    assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("k_codes", "k_row_scale", "v_codes", "v_row_zero"))
+    b = TileCodec("kvarn", auto_ranges(CFG)).encode(k, v).tiles
+    assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in FIELD_ORDER)
+
+
+def test_kvarn_auto_rounds_2_bit_rows_over_their_quantiles():
+    assert auto_ranges(KVarNConfig.from_name("k2v2_g128")).quantiles == (LOW_BIT_QUANTILE, LOW_BIT_QUANTILE)
+    assert auto_ranges(KVarNConfig.from_name("k4v2_g128")).quantiles == (0.0, LOW_BIT_QUANTILE)
+    assert auto_ranges(KVarNConfig.from_name("k4v4_g128")).quantiles == (0.0, 0.0)
+    explicit = KVarNConfig.from_name("k2v2_g128", key_quantile=0.0, value_quantile=0.1)
+    assert auto_ranges(explicit).quantiles == (0.0, 0.1)  # a caller's choice stays
+    assert TileCodec("kvarn-auto", CFG).config.quantiles == (LOW_BIT_QUANTILE, LOW_BIT_QUANTILE)
+    assert TileCodec("kvarn", CFG).config.quantiles == (0.0, 0.0)  # the spec's min/max
+    from kvarn.cache import KVarNCache
+
+    assert KVarNCache(None, "kvarn-auto", "k2v2_g128").config.quantiles == (LOW_BIT_QUANTILE, LOW_BIT_QUANTILE)
+    # On Gaussian tiles, 2-bit rows clipped at their quantiles reconstruct better than min/max rows.
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(2, 3, 64, D, generator=g), torch.randn(2, 3, 64, D, generator=g)
+    errs = {}
+    for method in ("kvarn", "kvarn-auto"):
+        codec = TileCodec(method, CFG)
+        kh, vh = codec.decode(codec.encode(k, v))
+        errs[method] = (float((kh - k).pow(2).mean()), float((vh - v).pow(2).mean()))
+    assert errs["kvarn-auto"][0] < 0.9 * errs["kvarn"][0] and errs["kvarn-auto"][1] < 0.9 * errs["kvarn"][1]
 
 
 def test_mixed_flavours_match_each_named_flavour_per_head():

@@ -52,11 +52,18 @@ def test_unknown_preset_lists_valid_names():
     "kwargs, word",
     [({"key_bits": 3}, "key_bits"), ({"value_bits": 1}, "value_bits"), ({"tile": 100}, "tile"),
      ({"sinkhorn_iters": -1}, "sinkhorn_iters"), ({"sink_tokens": 10}, "sink_tokens"),
-     ({"quantile": 0.6}, "quantile"), ({"rotation_dtype": "bf16"}, "rotation_dtype")],
+     ({"key_quantile": 0.6}, "key_quantile"), ({"value_quantile": -0.1}, "value_quantile"),
+     ({"value_quantile": "0.03"}, "value_quantile"), ({"rotation_dtype": "bf16"}, "rotation_dtype")],
 )
 def test_bad_config_names_the_field(kwargs, word):
     with pytest.raises(ValueError, match=word):
         KVarNConfig(**kwargs)
+
+
+def test_quantiles_resolve_none_to_min_max():
+    assert KVarNConfig().quantiles == (0.0, 0.0)
+    assert KVarNConfig(key_quantile=0.02).quantiles == (0.02, 0.0)
+    assert KVarNConfig(value_quantile=0.05).quantiles == (0.0, 0.05)
 
 
 def test_overrides_and_frozen():

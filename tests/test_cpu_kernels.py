@@ -74,8 +74,25 @@ def test_passes_equal_the_torch_workspace():
             assert torch.equal(got, want), bits
 
 
+@pytest.mark.parametrize("n", [64, 128, 256])
+def test_order_statistics_are_torch_topks(n):
+    """The numba loop's order statistics (kvarn-auto's 2-bit ranges) are torch.topk's values, ties
+    included, so the rows' quantiles are torch.quantile's bit for bit on either path."""
+    from kvarn import quantize
+
+    y = torch.randn(2, 3, 40, n, generator=torch.Generator().manual_seed(n)) * 3
+    y[0, 0, 0, : n // 4] = 1.5  # a run of ties across the ranks read
+    y[1, 2, 5, :] = -2.0  # a constant row
+    for q in (0.005, 0.03, 0.2):
+        for got, want in zip(cpu_kernels.order_statistics(y, q), quantize.order_statistics(y, q)):
+            assert torch.equal(got, want), q
+        ref = torch.quantile(y, torch.tensor([q, 1.0 - q]), dim=-1)
+        lo, hi = quantize.row_range(y, q, cpu_kernels.order_statistics)
+        assert torch.equal(lo, ref[0]) and torch.equal(hi, ref[1]), q
+
+
 def test_quantile_ranges_equal():
-    cfg = KVarNConfig(key_bits=2, value_bits=2, tile=64, quantile=0.01)
+    cfg = KVarNConfig(key_bits=2, value_bits=2, tile=64, key_quantile=0.01, value_quantile=0.03)
     k, v = _kv_tiles(7, 2, 1, 64, 64)
     _assert_same(cpu_kernels.encode_tiles(k, v, cfg), codec.encode_tiles(k, v, cfg))
 

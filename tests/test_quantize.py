@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvarn.quantize import STEP_MIN, dequantize_rows, rtn_rows
+from kvarn.quantize import STEP_MIN, dequantize_rows, row_range, rtn_rows
 
 
 @settings(max_examples=40, deadline=None)
@@ -40,6 +40,21 @@ def test_quantile_range_clips_outliers():
     codes, step_q, lo_q = rtn_rows(y, 4, quantile=0.02)
     assert float(step_q[0]) < float(step_mm[0]) / 10
     assert int(codes[0, 0]) == 0  # the outlier clamps to the lowest code
+
+
+@pytest.mark.parametrize("n", [32, 64, 128, 256])
+def test_quantile_range_is_torch_quantile_bit_for_bit(n):
+    g = torch.Generator().manual_seed(n)
+    y = torch.randn(200, 2, n, generator=g) * torch.rand(200, 2, 1, generator=g) * 5
+    y[0, 0, : n // 4] = 2.0  # ties at the rank the quantile reads
+    y[1, 1, 3] = float("nan")  # a non-finite row: torch.quantile's own answer (NaN)
+    for q in (0.005, 0.03, 0.1, 0.4):
+        lo, hi = row_range(y, q)
+        ref = torch.quantile(y, torch.tensor([q, 1.0 - q]), dim=-1)
+        assert torch.allclose(lo, ref[0], equal_nan=True, rtol=0, atol=0), q
+        assert torch.allclose(hi, ref[1], equal_nan=True, rtol=0, atol=0), q
+        assert torch.isnan(lo[1, 1]) and not torch.isnan(lo[0, 0])
+        assert bool((lo[2:] > y[2:].amin(-1)).all() and (hi[2:] < y[2:].amax(-1)).all())  # inside min/max
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

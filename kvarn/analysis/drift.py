@@ -30,11 +30,11 @@ vs unrotated keys, correlation of log key variance with log query energy, per KV
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..auto import AutoSettings, decide
+from ..auto import AutoSettings, auto_ranges, decide
 from ..config import KVarNConfig
 from ..methods import METHODS, TileCodec, get_method
 from .capture import (
@@ -50,11 +50,15 @@ class MethodSpec:
 
     rule: kvarn-auto's decision rule, ``"<rule>"`` or ``"<rule>@<margin>"`` (:meth:`kvarn.auto.AutoSettings.parse`);
     the default rule's key has no suffix, another rule's key is ``"kvarn-auto-<rule>:<preset>"``.
+    ranges: the rows' rounding ranges, one of :data:`RANGES`: None, the method's own (min/max, but
+    kvarn-auto's quantiles for 2-bit rows); ``"auto"``, kvarn-auto's (:func:`kvarn.auto.auto_ranges`)
+    for any method (key suffix ``+q``); ``"minmax"``, the spec's min/max for any method (``+minmax``).
     """
 
     method: str
     preset: str
     rule: str | None = None
+    ranges: str | None = None
 
     def __post_init__(self) -> None:
         get_method(self.method)
@@ -63,6 +67,8 @@ class MethodSpec:
             if self.method != "kvarn-auto":
                 raise ValueError(f"rule={self.rule!r} is only meaningful for method 'kvarn-auto', not {self.method!r}")
             AutoSettings.parse(self.rule)
+        if self.ranges is not None and self.ranges not in RANGES:
+            raise ValueError(f"ranges={self.ranges!r}; choose None (the method's own) or one of {list(RANGES)}")
 
     @property
     def auto(self) -> AutoSettings | None:
@@ -72,27 +78,40 @@ class MethodSpec:
 
     @property
     def key(self) -> str:
-        if self.rule is None or self.auto == AutoSettings():
-            return f"{self.method}:{self.preset}"
-        return f"{self.method}-{self.auto.name}:{self.preset}"
+        name = self.method
+        if self.rule is not None and self.auto != AutoSettings():
+            name += f"-{self.auto.name}"
+        if self.ranges is not None:
+            name += "+q" if self.ranges == "auto" else f"+{self.ranges}"
+        return f"{name}:{self.preset}"
+
+
+#: :attr:`MethodSpec.ranges` other than the method's own.
+RANGES = ("auto", "minmax")
 
 
 def parse_specs(methods: list[str] | None = None, presets: list[str] | None = None,
-                auto_rules: list[str] | None = None) -> list[MethodSpec]:
+                auto_rules: list[str] | None = None, ranges: list[str | None] | None = None) -> list[MethodSpec]:
     """Every method x preset (defaults: all methods, presets k2v2_g128 and k4v2_g128); kvarn-auto once
-    per rule of ``auto_rules`` (default: its default rule)."""
+    per rule of ``auto_rules`` (default: its default rule); each once per entry of ``ranges``
+    (:attr:`MethodSpec.ranges`; default: the method's own only)."""
     methods = list(METHODS) if not methods else methods
     presets = ["k2v2_g128", "k4v2_g128"] if not presets else presets
     out = []
     for p in presets:
         for m in methods:
             rules = (auto_rules or [None]) if m == "kvarn-auto" else [None]
-            out += [MethodSpec(m, p, r) for r in rules]
+            out += [MethodSpec(m, p, r, q) for r in rules for q in (ranges or [None])]
     return out
 
 
 def method_config(spec: MethodSpec, sink_tokens: int | None = None, quantize_sliding_window: bool = False):
-    return KVarNConfig.from_name(spec.preset, sink_tokens=sink_tokens, quantize_sliding_window=quantize_sliding_window)
+    config = KVarNConfig.from_name(spec.preset, sink_tokens=sink_tokens, quantize_sliding_window=quantize_sliding_window)
+    if spec.ranges == "auto" or (spec.ranges is None and spec.method == "kvarn-auto"):
+        return auto_ranges(config)  # kvarn-auto's own (TileCodec resolves them too): one run for both keys
+    if spec.ranges == "minmax":
+        return replace(config, key_quantile=0.0, value_quantile=0.0)
+    return config
 
 
 def _dedup_key(spec: MethodSpec, config: KVarNConfig) -> tuple:
@@ -123,6 +142,7 @@ class MethodDrift:
     chunk_nll: list[float] = field(default_factory=list)  # NLL sum per chunk (count: DriftRun.chunk_targets)
     decisions: dict[int, dict] | None = None  # kvarn-auto: layer -> RowDecision.summary() of row 0
     auto_rule: str | None = None  # kvarn-auto: the decision rule's name (AutoSettings.name)
+    quantiles: tuple[float, float] | None = None  # integer methods: the rows' ranges (KVarNConfig.quantiles)
 
     @property
     def perplexity(self) -> float:
@@ -175,6 +195,7 @@ class _MethodState:
             self.k_dec.summary(self.worst), self.v_dec.summary(self.worst),
             list(self.chunk_nll), dict(self.decisions) if self.auto is not None else None,
             self.auto.name if self.auto is not None else None,
+            self.codec.config.quantiles if self.codec.method.fmt == "int" else None,
         )
 
     def set_flavours(self, layer: int, decision) -> None:

@@ -73,6 +73,8 @@ def method_entry(run: DriftRun, r: MethodDrift) -> dict:
     kl_after, ppl_after = _after_prefill(run, r.kl, r.chunk_nll)
     extra = {"auto_rule": r.auto_rule, "auto_decisions": {str(k): v for k, v in r.decisions.items()}} \
         if r.decisions is not None else {}
+    if r.quantiles is not None:  # (keys, values): 0 is min/max, q the rows' [q, 1 - q] quantiles
+        extra["quantiles"] = list(r.quantiles)
     return {
         "kl_after_prefill": kl_after,
         "perplexity_after_prefill": ppl_after,

@@ -253,8 +253,8 @@ class KVarNCache(Cache):
                                  "is transformers' own quantized cache (leave kernels='auto')")
             self._init_hf(model_or_config, preset, overrides, attention_mask)
             return
-        self.config = _make_config(preset, overrides)
-        self.codec = TileCodec(self.method, self.config, kernels)
+        self.codec = TileCodec(self.method, _make_config(preset, overrides), kernels)
+        self.config = self.codec.config  # the method's ranges resolved (kvarn-auto's, kvarn.auto.auto_ranges)
         layer_cls = KVarNLayer
         if self.method.name == "kvarn-auto":
             layer_cls = functools.partial(KVarNAutoLayer, settings=auto or AutoSettings())

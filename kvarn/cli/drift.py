@@ -39,6 +39,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--auto-rules", type=_csv, default=None,
                    help="kvarn-auto decision rules to run, comma-separated: a2, a3, n2, r3 (the self-test), "
                         "each optionally @margin (default: r3)")
+    p.add_argument("--ranges", type=_csv, default=None,
+                   help="rounding ranges to run each method with, comma-separated: method (its own: min/max, "
+                        "kvarn-auto's 2-bit quantiles for kvarn-auto), auto (kvarn-auto's for every method, key "
+                        "suffix +q), minmax (min/max for every method, +minmax) (default: method)")
     p.add_argument("--methods", type=_csv, default=None, help="comma-separated methods (default: all)")
     p.add_argument("--presets", type=_csv, default=None, help="comma-separated presets (default: k2v2_g128,k4v2_g128)")
     p.add_argument("--sink-tokens", type=int, default=None, help="full-precision sink S (default: one tile)")
@@ -63,7 +67,8 @@ def _main(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    specs = parse_specs(args.methods, args.presets, args.auto_rules)
+    ranges = [None if r == "method" else r for r in args.ranges] if args.ranges else None
+    specs = parse_specs(args.methods, args.presets, args.auto_rules, ranges)
     tile = KVarNConfig.from_name(specs[0].preset).tile
     chunk = args.chunk or tile
     text = load_text(args.text, args.field, args.record)

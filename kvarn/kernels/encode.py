@@ -22,19 +22,25 @@ then scaled, divisions are multiplications by ``exp(-b)``, ``exp(-a)`` and ``1 /
 ``exp``/``log`` come from the GPU's math library, so a scale can differ by one fp16 ulp, a code
 that sits on a rounding boundary can move by one step, and where two iterates score the same
 imbalance up to fp32 rounding the kernel may keep the other one (rarely: see the kernel tests).
-Quantile ranges (``config.quantile > 0``) are not implemented here: ValueError.
+Quantile ranges (``config.key_quantile`` / ``value_quantile`` > 0): the ranks each quantile
+interpolates between are taken from the row by repeated minimum (maximum) extraction, exact like a
+sort (``_order_stats``: about ``q * C`` reductions per end, 5 for kvarn-auto's q = 0.03 of 128), and
+interpolated as torch.quantile does (fp32 ranks, its lerp as an FMA, as its vectorized CPU kernel
+computes it).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ..codec import TileFields
 from ..config import KVarNConfig
+from ..quantize import quantile_ranks
 from .decode_blocks import hadamard_rows
 from .layout import check_device, check_fields, empty_fields, lead_strides, num_sms
 
@@ -63,9 +69,44 @@ def _score(cs, rs):
 
 
 @triton.jit
+def _order_stats(y, I0: tl.constexpr, I1: tl.constexpr, LOW: tl.constexpr, C: tl.constexpr):
+    """Each row's values of ranks ``I0 <= I1`` of ``y [R, C]`` in ascending order (``LOW``) or in
+    descending order (rank 0 = the largest): ``I1 + 1`` extractions of the row's minimum (maximum),
+    removing one entry each time. Exact, as a sort is, and cheap for the few ranks a small quantile
+    needs (q = 0.03 of 128 values: 5 from each end), where ``tl.sort`` of a whole tile costs a
+    bitonic network in registers and long compiles."""
+    cols = tl.arange(0, C)
+    work = y
+    v0 = tl.zeros([y.shape[0]], dtype=tl.float32)
+    v1 = v0
+    for j in tl.static_range(I1 + 1):
+        if LOW:
+            m, idx = tl.min(work, axis=1, return_indices=True)
+        else:
+            m, idx = tl.max(work, axis=1, return_indices=True)
+        if j == I0:
+            v0 = m
+        if j == I1:
+            v1 = m
+        if j < I1:
+            work = tl.where(cols[None, :] == idx[:, None], float("inf") if LOW else -float("inf"), work)
+    return v0, v1
+
+
+@triton.jit
+def _lerp(below, above, coeff):
+    """torch.quantile's interpolation as its lerp computes it, an FMA: ``below + w (above - below)``
+    for a weight ``w < 0.5`` (``coeff = w``), else ``above + (w - 1) (above - below)`` (``coeff = w - 1``)."""
+    c = coeff + tl.zeros_like(below)
+    return tl.fma(c, above - below, tl.where(c < 0, above, below))
+
+
+@triton.jit
 def _encode_one(
     x, codes_ptr, codes_off, rs_ptr, rs_off, rz_ptr, rz_off, cs_ptr, cs_off, bad_ptr,
     norm, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr, CHECK: tl.constexpr,
+    QUANT: tl.constexpr, LO0: tl.constexpr, LO1: tl.constexpr, HI0: tl.constexpr, HI1: tl.constexpr,
+    c_lo, c_hi,
 ):
     """Normalize, round, pack and store one fp32 tile ``x [R, C]`` (rotated frame)."""
     rows = tl.arange(0, R)
@@ -102,8 +143,14 @@ def _encode_one(
     y = x * tl.exp(-best_b)[:, None] * tl.exp(-best_a)[None, :]
 
     QMAX: tl.constexpr = (1 << BITS) - 1
-    lo = tl.min(y, axis=1)
-    hi = tl.max(y, axis=1)
+    if QUANT:  # the rows' [q, 1 - q] quantiles (config.key_quantile / value_quantile > 0)
+        b0, b1 = _order_stats(y, LO0, LO1, True, C)
+        lo = _lerp(b0, b1, c_lo)
+        a1, a0 = _order_stats(y, C - 1 - HI1, C - 1 - HI0, False, C)  # sorted ranks HI0 <= HI1, from the top
+        hi = _lerp(a0, a1, c_hi)
+    else:
+        lo = tl.min(y, axis=1)
+        hi = tl.max(y, axis=1)
     step = tl.maximum((hi - lo) / QMAX, 1e-10)
     t = (y - lo[:, None]) * (1.0 / step)[:, None]
     q = (t + 12582912.0) - 12582912.0  # 1.5 * 2^23: (t + M) - M rounds fp32 t half to even for |t| < 2^22
@@ -166,9 +213,12 @@ def _encode_tiles_kernel(
     vc_ptr, vc_s0, vc_s1, vc_s2, vcs_ptr, vcs_s0, vcs_s1, vcs_s2,
     vs_ptr, vs_s0, vs_s1, vs_s2, vz_ptr, vz_s0, vz_s1, vz_s2,
     N1, N2, flag_ptr, slot_ptr, bad_ptr, inv_sqrt_d,
+    k_clo, k_chi, v_clo, v_chi,
     D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     HAS_NORM: tl.constexpr, ROTATE: tl.constexpr, HAS_ROT: tl.constexpr, HAS_SLOT: tl.constexpr,
-    CHECK: tl.constexpr,
+    CHECK: tl.constexpr, KQ: tl.constexpr, KLO0: tl.constexpr, KLO1: tl.constexpr, KHI0: tl.constexpr,
+    KHI1: tl.constexpr, VQ: tl.constexpr, VLO0: tl.constexpr, VLO1: tl.constexpr, VHI0: tl.constexpr,
+    VHI1: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv = tl.program_id(1)  # 0: the K tile, 1: the V tile
@@ -201,7 +251,7 @@ def _encode_tiles_kernel(
             ks_ptr, _field_offset(i0, i1, o2, ks_s0, ks_s1, ks_s2),
             kz_ptr, _field_offset(i0, i1, o2, kz_s0, kz_s1, kz_s2),
             kr_ptr, _field_offset(i0, i1, o2, kr_s0, kr_s1, kr_s2),
-            bad_ptr, norm, D, G, KB, ITERS, CHECK,
+            bad_ptr, norm, D, G, KB, ITERS, CHECK, KQ, KLO0, KLO1, KHI0, KHI1, k_clo, k_chi,
         )
     else:
         xv = _load_tile(v_ptr, _field_offset(i0, i1, i2, v_s0, v_s1, v_s2), v_sr, v_sc, G, D)
@@ -214,8 +264,19 @@ def _encode_tiles_kernel(
             vs_ptr, _field_offset(i0, i1, o2, vs_s0, vs_s1, vs_s2),
             vz_ptr, _field_offset(i0, i1, o2, vz_s0, vz_s1, vz_s2),
             vcs_ptr, _field_offset(i0, i1, o2, vcs_s0, vcs_s1, vcs_s2),
-            bad_ptr, norm, G, D, VB, ITERS, CHECK,
+            bad_ptr, norm, G, D, VB, ITERS, CHECK, VQ, VLO0, VLO1, VHI0, VHI1, v_clo, v_chi,
         )
+
+
+def _quantile_taps(q: float, n: int) -> tuple[bool, tuple]:
+    """The [q, 1 - q] quantiles of rows of n values as torch.quantile takes them
+    (:func:`kvarn.quantize.quantile_ranks`) -> (on, (lo below, lo above, hi below, hi above, lo
+    coeff, hi coeff)), the lerp coefficients as :func:`_lerp` takes them; q = 0: min/max (off)."""
+    if q <= 0.0:
+        return False, (0, 0, 0, 0, 0.0, 0.0)
+    (b0, a0, w0), (b1, a1, w1) = quantile_ranks(q, n)
+    coeff = [float(np.float32(w) if w < 0.5 else np.float32(w) - np.float32(1.0)) for w in (w0, w1)]
+    return True, (b0, a0, b1, a1, *coeff)
 
 
 def _lead3(x: torch.Tensor, n_lead: int) -> tuple[int, ...]:
@@ -269,8 +330,6 @@ def encode_tiles(
     """
     if not isinstance(config, KVarNConfig):
         raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")
-    if config.quantile > 0.0:
-        raise ValueError("the Triton encoder implements min/max ranges only (config.quantile must be 0)")
     if k_tiles.dim() < 2 or v_tiles.dim() != k_tiles.dim():
         raise ValueError("k_tiles [..., D, G] and v_tiles [..., G, D] must have the same rank")
     d, g = k_tiles.shape[-2:]
@@ -325,14 +384,18 @@ def encode_tiles(
     for name, inner in (("k_codes", 2), ("k_row_scale", 1), ("k_row_zero", 1), ("k_col_scale", 1),
                         ("v_codes", 2), ("v_col_scale", 1), ("v_row_scale", 1), ("v_row_zero", 1)):
         args += [getattr(out, name), *strides(name, inner)]
+    kq, vq = config.quantiles
+    kt, vt = _quantile_taps(kq, g), _quantile_taps(vq, d)  # K rows run over G tokens, V rows over D channels
     _encode_tiles_kernel[(n_tiles, 2)](
         k_tiles, *_lead3(k_tiles, n_lead), k_tiles.stride(-2), k_tiles.stride(-1),
         v_tiles, *_lead3(v_tiles, n_lead), v_tiles.stride(-2), v_tiles.stride(-1),
         *args, sizes[1], sizes[2], flag_t, slot if slot is not None else k_tiles,
-        bad if bad is not None else k_tiles, 1.0 / math.sqrt(d),
+        bad if bad is not None else k_tiles, 1.0 / math.sqrt(d), *kt[1][4:], *vt[1][4:],
         D=d, G=g, KB=config.key_bits, VB=config.value_bits, ITERS=config.sinkhorn_iters,
         HAS_NORM=normalize is not None, ROTATE=rotate is not None, HAS_ROT=isinstance(rotate, tuple),
         HAS_SLOT=slot is not None, CHECK=bad is not None,
+        KQ=kt[0], KLO0=kt[1][0], KLO1=kt[1][1], KHI0=kt[1][2], KHI1=kt[1][3],
+        VQ=vt[0], VLO0=vt[1][0], VLO1=vt[1][1], VHI0=vt[1][2], VHI1=vt[1][3],
         num_warps=num_warps or _default_warps(n_tiles, d * g, dev),
     )
     return out

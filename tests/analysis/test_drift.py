@@ -89,9 +89,24 @@ def test_free_run(tiny_llama, tiny_ids):
     assert min(lossy.kl[1:]) > 0
 
 
+def test_ranges_run_each_method_with_kvarn_autos_or_min_max_ranges(tiny_llama, tiny_ids):
+    specs = parse_specs(["kivi", "kvarn-auto"], ["k2v2_g64"], ranges=[None, "auto", "minmax"])
+    assert [s.key for s in specs] == ["kivi:k2v2_g64", "kivi+q:k2v2_g64", "kivi+minmax:k2v2_g64",
+                                      "kvarn-auto:k2v2_g64", "kvarn-auto+q:k2v2_g64", "kvarn-auto+minmax:k2v2_g64"]
+    run = pseudo_decode(tiny_llama, tiny_ids, specs, progress=False)
+    q = {k: m.quantiles for k, m in run.methods.items()}
+    assert q["kivi:k2v2_g64"] == q["kivi+minmax:k2v2_g64"] == q["kvarn-auto+minmax:k2v2_g64"] == (0.0, 0.0)
+    assert q["kivi+q:k2v2_g64"] == q["kvarn-auto:k2v2_g64"] == (0.03, 0.03)
+    m = run.methods
+    assert m["kivi:k2v2_g64"].kl == m["kivi+minmax:k2v2_g64"].kl != m["kivi+q:k2v2_g64"].kl
+    assert m["kvarn-auto:k2v2_g64"].kl == m["kvarn-auto+q:k2v2_g64"].kl != m["kvarn-auto+minmax:k2v2_g64"].kl
+
+
 def test_bad_inputs(tiny_llama, tiny_ids):
     with pytest.raises(ValueError, match="unknown method"):
         MethodSpec("nope", "k2v2_g64")
+    with pytest.raises(ValueError, match="ranges='clip'"):
+        MethodSpec("kivi", "k2v2_g64", ranges="clip")
     with pytest.raises(ValueError, match="input_ids"):
         pseudo_decode(tiny_llama, tiny_ids[0], [MethodSpec("kivi", "k2v2_g64")], progress=False)
     with pytest.raises(ValueError, match="layers"):

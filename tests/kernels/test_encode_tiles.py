@@ -42,7 +42,8 @@ def tie_adjusted(out, ref, k_tiles, v_tiles, config):
     the iterate exists and ties the best one."""
     fields = {n: getattr(ref, n).clone() for n in FIELD_ORDER}
     moved = 0
-    for side, x, bits in (("k", k_tiles, config.key_bits), ("v", v_tiles, config.value_bits)):
+    for side, x, bits, quantile in (("k", k_tiles, config.key_bits, config.quantiles[0]),
+                                    ("v", v_tiles, config.value_bits, config.quantiles[1])):
         col = f"{side}_col_scale"
         off = ~_within_ulp(getattr(out, col), getattr(ref, col)).all(-1)
         if not off.any():
@@ -57,7 +58,7 @@ def tie_adjusted(out, ref, k_tiles, v_tiles, config):
         assert (gap <= SCORE_TIE).all(), f"{side}: the kernel kept an iterate {gap.max():.2e} worse than the best"
         ca, cb = at(a), at(b)
         y = _apply(xs, ca, cb)
-        codes, scale, zero, colf = _encode_one(xs, bits, config.sinkhorn_iters, config.quantile,
+        codes, scale, zero, colf = _encode_one(xs, bits, config.sinkhorn_iters, quantile,
                                                normalized=(y, torch.exp(ca), torch.exp(cb)))
         for name, val in ((f"{side}_codes", codes), (f"{side}_row_scale", scale), (f"{side}_row_zero", zero),
                           (col, colf)):
@@ -145,6 +146,27 @@ def test_encode_rotates_full_size_tiles(name, d, kdevice):
     assert flips <= max(1, int(1e-4 * total)) and moved <= 4
 
 
+@pytest.mark.parametrize("tile,d,quantiles", [(64, 64, (0.03, 0.03)), (64, 128, (0.0, 0.05)),
+                                              (128, 128, (0.03, 0.03)), (128, 256, (0.005, 0.2))])
+def test_encode_quantile_ranges(tile, d, quantiles, kdevice):
+    """Rows rounded over their [q, 1 - q] quantiles (kvarn-auto's 2-bit ranges), per K and V: the
+    kernel's rank extraction and interpolation give the torch codec's torch.quantile ranges, and they differ
+    from min/max ones (values past the quantiles are clipped to the end codes). Also at full size
+    (G 128, D 128 / 256) and far from kvarn-auto's q (0.2: 52 ranks from each end)."""
+    cfg = KVarNConfig(key_bits=2, value_bits=2, tile=tile, sinkhorn_iters=4,
+                      key_quantile=quantiles[0], value_quantile=quantiles[1])
+    k, v = synthetic_kv(1, 2, tile, d, kdevice, seed=tile + d)
+    k16, v16, kt16, vt16 = _model_frame(k, v, cfg)
+    kt, vt = rotated_tiles(k16.float(), v16.float(), cfg)
+    out = kernels.encode_tiles(kt16, vt16, cfg, rotate=True)
+    flips, total, moved = compare(out, torch_encode(kt, vt, cfg), cfg, (kt, vt))
+    assert flips <= max(1, int(1e-4 * total)) and moved <= 2
+    minmax = kernels.encode_tiles(kt16, vt16, KVarNConfig(key_bits=2, value_bits=2, tile=tile, sinkhorn_iters=4),
+                                  rotate=True)
+    assert torch.equal(out.k_row_scale, minmax.k_row_scale) == (quantiles[0] == 0.0)
+    assert not torch.equal(out.v_row_scale, minmax.v_row_scale)
+
+
 def test_encode_writes_at_a_device_slot(kdevice):
     """slot: tiles n = 0, 1 land at slot + n of fields with a capacity axis; the rest is untouched."""
     cfg = KVarNConfig(key_bits=4, value_bits=2, tile=64, sinkhorn_iters=2)
@@ -185,8 +207,6 @@ def test_encode_flags_nonfinite_scales(kdevice):
 def test_encode_errors(kdevice, monkeypatch):
     cfg = KVarNConfig(tile=64)
     kt = torch.randn(2, 64, 64, device=kdevice)
-    with pytest.raises(ValueError, match="quantile"):
-        kernels.encode_tiles(kt, kt, KVarNConfig(tile=64, quantile=0.01))
     with pytest.raises(ValueError, match="G=64"):
         kernels.encode_tiles(kt, kt, KVarNConfig(tile=128))
     with pytest.raises(TypeError):

@@ -10,7 +10,11 @@ perplexity of the same positions.
 
 Every kvarn-auto entry is shown under its rule, ``kvarn-auto-<rule>``: the rule recorded in the entry
 (``auto_rule``), else the key's suffix, else a2 (files written before the rule was recorded, when a2
-was the default and its key had no suffix).
+was the default and its key had no suffix). Entries whose rows were rounded over min/max get
+``-minmax``: those without a ``quantiles`` record (written before kvarn-auto's 2-bit quantile
+ranges, ``kvarn.auto.auto_ranges``) and ``kvarn drift --ranges minmax`` ones. ``kivi+q`` /
+``kvarn+q`` are the baselines with kvarn-auto's ranges (``--ranges auto``); ``kvarn-auto+q`` is
+kvarn-auto's own and is dropped.
 """
 
 from __future__ import annotations
@@ -20,14 +24,17 @@ import math
 import sys
 from pathlib import Path
 
-BASELINES = ("kivi", "varn", "kvarn")
-AUTO: tuple[str, ...] = ("kvarn-auto-a2",)  # extended by main() with every kvarn-auto rule found
-GOAL_RULES = ("kvarn-auto-a2", "kvarn-auto-a3", "kvarn-auto-r3")  # the verdict columns of the doc's table
+BASELINES = ("kivi", "varn", "kvarn", "kivi+q", "kvarn+q")
+AUTO: tuple[str, ...] = ("kvarn-auto-r3",)  # extended by main() with every kvarn-auto rule found
+GOAL_RULES = ("kvarn-auto-r3-minmax", "kvarn-auto-r3")  # the verdict columns of the doc's table
+# The doc's table and figure: the reference methods, their ranges ablation, r3 before and with the ranges.
+COMPACT = ("kivi", "kvarn", "kivi+q", "kvarn+q", "kvarn-auto-r3-minmax", "kvarn-auto-r3")
 SHOWN: tuple[str, ...] = BASELINES + AUTO
-COLORS = {"kivi": "tab:red", "varn": "tab:olive", "kvarn": "tab:blue", "kvarn-auto-a2": "tab:green",
-          "kvarn-auto-r3": "black",
-          "kvarn-auto-a3": "tab:cyan", "kvarn-auto-n2": "tab:pink", "kvarn-auto-n2@0.1": "tab:purple",
-          "kvarn-auto-a2@0.1": "tab:gray"}
+COLORS = {"kivi": "tab:red", "varn": "tab:olive", "kvarn": "tab:blue", "kivi+q": "lightcoral",
+          "kvarn+q": "lightsteelblue", "kvarn-auto-r3-minmax": "tab:gray", "kvarn-auto-r3": "black",
+          "kvarn-auto-a2-minmax": "tab:green", "kvarn-auto-a3-minmax": "tab:cyan",
+          "kvarn-auto-n2-minmax": "tab:pink", "kvarn-auto-n2@0.1-minmax": "tab:purple",
+          "kvarn-auto-a2@0.1-minmax": "tab:brown"}
 
 
 def _labelled(methods: dict[str, dict]) -> dict[str, dict]:
@@ -35,8 +42,14 @@ def _labelled(methods: dict[str, dict]) -> dict[str, dict]:
     out = {}
     for key, m in methods.items():
         name, _, preset = key.partition(":")
-        if name == "kvarn-auto" or (name.startswith("kvarn-auto-") and "auto_rule" in m):
-            name = f"kvarn-auto-{m.get('auto_rule') or 'a2'}"
+        if name.startswith("kvarn-auto"):
+            if name.endswith("+q"):
+                continue  # kvarn-auto's own ranges: the plain key's run
+            minmax = "quantiles" not in m or not any(m["quantiles"])
+            name = name.removesuffix("+minmax")
+            if name == "kvarn-auto" or (name.startswith("kvarn-auto-") and "auto_rule" in m):
+                name = f"kvarn-auto-{m.get('auto_rule') or 'a2'}"
+            name += "-minmax" if minmax else ""
         out[f"{name}:{preset}"] = m
     return out
 
@@ -135,7 +148,7 @@ def markdown(rows: list[dict], stats: list[dict]) -> str:
 
 def compact_markdown(rows: list[dict]) -> str:
     """The doc's goal table: one row per pair and preset, the goal verdict cell by cell."""
-    cols = [m for m in SHOWN if m != "kvarn-auto-a2@0.1"]
+    cols = [m for m in COMPACT if m in SHOWN]
     lines = ["| model / text | preset | fp ppl | " + " | ".join(f"{m}<br>KL / ppl" for m in cols)
              + "".join(f" | goal ({r.removeprefix('kvarn-auto-')})" for r in GOAL_RULES) + " |",
              "|---|---|---:|" + "---:|" * len(cols) + "---|" * len(GOAL_RULES)]
@@ -160,21 +173,23 @@ def compact_markdown(rows: list[dict]) -> str:
 def self_test_markdown(docs: dict[str, dict]) -> str:
     """Rule r3 per pair and preset: the policy the self-test kept, its KL per candidate on the prompt,
     and the end-to-end KL of each candidate (KVarN, a2, a3) measured on its own."""
-    lines = ["| model / text | preset | r3 kept | self-test KL kvarn / a2 / a3 | end-to-end KL kvarn / a2 / a3 "
-             "| end-to-end best |", "|---|---|---|---:|---:|---|"]
+    lines = ["| model / text | preset | ranges | r3 kept | self-test KL kvarn / a2 / a3 | end-to-end KL kvarn / a2 / a3 "
+             "| end-to-end best |", "|---|---|---|---|---:|---:|---|"]
     for name, doc in docs.items():
-        for preset in ("k2v2_g128", "k4v2_g128"):
-            e = doc["methods"].get(f"kvarn-auto-r3:{preset}")
+        for preset, suffix in [(p, x) for x in ("-minmax", "") for p in ("k2v2_g128", "k4v2_g128")]:
+            e = doc["methods"].get(f"kvarn-auto-r3{suffix}:{preset}")
             if not e:
                 continue
             d = next(iter(e["auto_decisions"].values()))
             if d.get("self_test_kl") is None:
                 continue
-            keys = {"kvarn": "kvarn", "a2": "kvarn-auto-a2", "a3": "kvarn-auto-a3"}
+            # Each candidate measured on its own with the same ranges (KVarN: kvarn / kvarn+q).
+            keys = {"kvarn": "kvarn" if suffix else "kvarn+q", "a2": f"kvarn-auto-a2{suffix}",
+                    "a3": f"kvarn-auto-a3{suffix}"}
             e2e = {p: doc["methods"].get(f"{k}:{preset}", {}).get("kl_after_prefill") for p, k in keys.items()}
             known = {p: x for p, x in e2e.items() if x is not None}
-            best = min(known, key=known.get) if known else "-"
-            lines.append(f"| {name} | {preset.split('_')[0]} | {d['policy']} | "
+            best = min(known, key=known.get) if len(known) > 1 else "-"
+            lines.append(f"| {name} | {preset.split('_')[0]} | {'min/max' if suffix else 'q 2-bit'} | {d['policy']} | "
                          + " / ".join(f"{d['self_test_kl'][p]:.4f}" for p in keys) + " | "
                          + " / ".join(_fig(e2e[p]) for p in keys) + f" | {best} |")
     return "\n".join(lines) + "\n"
@@ -187,10 +202,11 @@ def figure(docs: dict[str, dict], rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(19, 5), gridspec_kw={"width_ratios": [1.2, 1.2, 1]})
-    width = 0.8 / len(SHOWN)
+    shown = [m for m in COMPACT if m in SHOWN]
+    width = 0.8 / len(shown)
     for ax, preset, refs, goal in ((axes[0], "k2v2_g128", ("kivi", "kvarn"), 0.97),
                                    (axes[1], "k4v2_g128", ("kvarn",), 1.02)):
-        for i, m in enumerate(SHOWN):
+        for i, m in enumerate(shown):
             ys = []
             for r in rows:
                 base = [r[f"{x}:{preset}"][0] for x in refs if r.get(f"{x}:{preset}")]
