@@ -15,7 +15,8 @@ from kvarn.selftest import choose, self_test, self_test_positions, self_test_tok
 
 D = 16
 G = S = 32
-CFG = KVarNConfig(key_bits=2, value_bits=2, tile=G, sink_tokens=S)
+# Min/max ranges (explicit: kvarn-auto's own 2-bit quantiles would clip the exact grid below).
+CFG = KVarNConfig(key_bits=2, value_bits=2, tile=G, sink_tokens=S, key_quantile=0.0, value_quantile=0.0)
 CODEC = TileCodec("kvarn-auto", CFG)
 T = S + 3 * G  # exactly what the self-test needs
 
@@ -61,7 +62,7 @@ def _setup():
     model = _OneLayer()
     ids = torch.arange(T)[None]
     q, k, v = model.qkv(ids)
-    decision = decide(q, k, v, CFG, settings=AutoSettings(rule="r3"))
+    decision = decide(q, k, v, CODEC.config, settings=AutoSettings(rule="r3"))
     candidates = {p: {0: decision.candidate(0, p)} for p in POLICIES}
     return model, ids, (k, v), decision, candidates
 

@@ -260,9 +260,11 @@ def test_encode_per_tile_normalization_matches_the_flavour_codec(kdevice):
     fl = fl.map(lambda x: x.to(kdevice))
     from kvarn.integrations.hf_attention import TritonTileCodec
 
-    enc = TritonTileCodec("kvarn-auto", cfg).encode(k, v, fl)
-    ref = encode_flavoured(k, v, fl, cfg)
-    flips, total, moved = compare(enc.tiles, ref, cfg)
+    codec = TritonTileCodec("kvarn-auto", cfg)
+    assert codec.config.quantiles == (0.03, 0.03)  # kvarn-auto's 2-bit ranges, through the flags' path too
+    enc = codec.encode(k, v, fl)
+    ref = encode_flavoured(k, v, fl, codec.config)
+    flips, total, moved = compare(enc.tiles, ref, codec.config)
     assert flips <= max(1, total // 10000) and moved == 0
     off_k = ~fl.key_normalize[0]
     assert torch.equal(enc.tiles.k_col_scale[0, off_k], torch.ones_like(enc.tiles.k_col_scale[0, off_k]))
