@@ -35,6 +35,10 @@ pairs), so the four options' key and value errors together cost about
 ``4 * Hq * max_queries * T * D`` multiply-adds (``T <= S + 3G``), plus one attention pass of
 ``max_queries`` queries for ``p``.
 
+Ranges: kvarn-auto rounds its 2-bit rows over their [q, 1 - q] quantiles (:func:`auto_ranges`,
+:data:`LOW_BIT_QUANTILE`), in the trial as in the stored tiles; the flavour scores above are taken
+with those ranges.
+
 Fallback: a row whose prompt has no full tile past the sink (``T < S + G``) keeps the spec's KVarN on
 every head (``decided = False``); so does a layer that never saw its prompt's queries. Rule r3 on
 a row with ``S + G <= T < S + 3G`` (too short for the self-test) keeps rule a2's flavours
