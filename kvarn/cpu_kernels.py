@@ -222,8 +222,8 @@ def _order_stats_rows(y, low, high):
 
 
 def order_statistics(y: torch.Tensor, quantile: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kvarn.quantize.order_statistics` as a numba loop (the same values; 5-10x faster on
-    CPU for kvarn-auto's 2-bit rows, where torch.topk's per-row cost was most of a trial encode)."""
+    """:func:`kvarn.quantize.order_statistics` as a numba loop (the same values; about 3x faster than
+    torch.topk on CPU for kvarn-auto's 2-bit rows: a SmolLM2 layer's trial at 512 tokens 34.8 -> 21.8 ms)."""
     n = y.shape[-1]
     (_, a0, _), (b1, _, _) = quantile_ranks(quantile, n)
     flat = _flat(y, n)

@@ -25,7 +25,8 @@ def quantile_ranks(quantile: float, n: int) -> list[tuple[int, int, float]]:
 def order_statistics(y: torch.Tensor, quantile: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The order statistics of each row of y ``[..., R, C]`` that its [q, 1-q] quantiles read
     (:func:`quantile_ranks`): ``(low [..., R, a + 1]`` ascending from the minimum, ``high [..., R,
-    C - b]`` descending from the maximum``)``, a and b the upper quantile's ranks below and above."""
+    C - b]`` descending from the maximum``)``, with a the sorted position above the lower quantile's
+    rank and b the one below the upper quantile's."""
     n = y.shape[-1]
     (_, a0, _), (b1, _, _) = quantile_ranks(quantile, n)
     low = torch.topk(y, a0 + 1, dim=-1, largest=False, sorted=True).values
