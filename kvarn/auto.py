@@ -13,27 +13,34 @@ sink tokens, tile ``G`` and the ``n = min((T - S) // G, TRIAL_TILES)`` full tile
    by per-channel quantization in the model frame, which the rotation would spread error into.
 3. Value score: the attention-weighted output error ``mean_i |sum_j p_ij f_j|``, with the exact
    prompt attention ``p = softmax(q K^T * scale)`` (causal, sink included).
-4. Rule ``"a2"``: keys choose KVarN (rotated) or VarN (model frame), both normalized;
+4. Rule ``"a2"`` (default): keys choose KVarN (rotated) or VarN (model frame), both normalized;
    values choose among {rotation on/off} x {normalization on/off}. Rule ``"a3"``: keys also choose
    among all four. Rule ``"n2"``: normalization stays on for keys and values, only the rotation
    is chosen for each. Ties go to KVarN; with ``margin`` m > 0, another flavour must beat KVarN's
    score by the fraction m (score < (1 - m) x KVarN's) to be chosen.
-5. Rule ``"r3"`` (default): the three policies KVarN, a2 and a3 (each with the margin) are this row's
+5. Rule ``"r3"``: the three policies KVarN, a2 and a3 (each with the margin) are this row's
    candidates (:attr:`RowDecision.candidates`); a short self-test of the model on the prompt
    (:mod:`kvarn.selftest`) keeps the one whose logits stay closest to the exact prefill's. Until it
-   has run, and where the prompt is too short for it, the row holds a2's flavours.
+   has run, and where the prompt is too short for it, the row holds a2's flavours. It sees what
+   no local score does (how the errors accumulate through layers and tokens), at the price of 768
+   token-forwards of the model per prompt: with its 2-bit ranges, a2 meets every goal cell of
+   docs/results/drift.md on its own, at a fraction of r3's prefill cost (SmolLM2, 512 tokens, one
+   thread: 3.9 against 10.8 s, the fp16 prefill 2.4 s), hence the default.
 
-Cost: the trial is one encode and decode of its tiles per option (two of them normalized), and its
-encodings are kept (:attr:`RowDecision.prompt_tiles`) so that the freeze of those tiles and the
-self-test's first tile need no encode of their own; a longer prompt's later tiles are encoded once,
-with the chosen flavours, by the freeze. Reading only the first ``S + 3G`` tokens keeps the
-decision's cost flat in the prompt's length (at 2048 tokens on SmolLM2 the trial and error sums
-over the whole prompt were 4.4 s against a 5.3 s prefill, one thread), and a longer prompt decides
-exactly as its first ``S + 3G`` tokens would. Queries are sampled at ``max_queries`` evenly spaced
-positions past the sink, and each block of them reads only the keys it can see (about half the
-pairs), so the four options' key and value errors together cost about
-``4 * Hq * max_queries * T * D`` multiply-adds (``T <= S + 3G``), plus one attention pass of
-``max_queries`` queries for ``p``.
+Cost: the trial is one encode and decode of its tiles per option it measures (a2: two for the
+keys, four for the values; two of each normalized), and its encodings are kept
+(:attr:`RowDecision.prompt_tiles`) so that the freeze of those tiles and the self-test's first tile
+need no encode of their own; a longer prompt's later tiles are encoded once, with the chosen
+flavours, by the freeze. Reading only the first ``S + 3G`` tokens keeps the decision's cost flat in
+the prompt's length (at 2048 tokens on SmolLM2 the trial and error sums over the whole prompt were
+4.4 s against a 5.3 s prefill, one thread), and a longer prompt decides exactly as its first
+``S + 3G`` tokens would. Queries are sampled at ``max_queries`` evenly spaced positions past the
+sink (128: the errors are means over tens of thousands of (query, key) pairs per head, and 256
+took the error sums from about 0.33 to 0.55 s of a 512-token SmolLM2 prefill), and each block of
+them reads only the keys it can see (about half the pairs), so the options' key and value errors
+together cost about ``(Ck + Cv) * Hq * max_queries * T * D / 2`` multiply-adds (``T <= S + 3G``;
+a2: ``Ck + Cv = 6``), plus one attention pass of ``max_queries`` queries for ``p``. Measured:
+docs/results/drift.md, "Cost".
 
 Ranges: kvarn-auto rounds its 2-bit rows over their [q, 1 - q] quantiles (:func:`auto_ranges`,
 :data:`LOW_BIT_QUANTILE`), in the trial as in the stored tiles; the flavour scores above are taken
@@ -85,13 +92,13 @@ def auto_ranges(config: KVarNConfig) -> KVarNConfig:
 
 @dataclass(frozen=True)
 class AutoSettings:
-    """How kvarn-auto decides. rule: one of :data:`RULES` (module docstring; default r3, the
-    self-test); margin: the fraction by which a flavour must beat KVarN's score, in [0, 1);
+    """How kvarn-auto decides. rule: one of :data:`RULES` (module docstring; default a2, r3 adds
+    the self-test); margin: the fraction by which a flavour must beat KVarN's score, in [0, 1);
     max_queries: query positions sampled per row (>= 1)."""
 
-    rule: str = "r3"
+    rule: str = "a2"
     margin: float = 0.0
-    max_queries: int = 256
+    max_queries: int = 128
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -125,8 +132,9 @@ def _choose(scores: torch.Tensor, candidates: int, margin: float) -> torch.Tenso
 
 @dataclass
 class RowDecision:
-    """The decision of one row of one layer; per-head tensors are ``[Hk]`` (scores ``[Hk, 4]``,
-    columns in :data:`kvarn.flavour.OPTIONS` order: RN, -N, R-, --).
+    """The decision of one row of one layer; per-head tensors are ``[Hk]`` (scores ``[Hk, C]``, one
+    column per option the rule measured, in :data:`kvarn.flavour.OPTIONS` order: RN, -N, R-, --;
+    rules a2 and n2 measure the keys' first two, n2 the values' too, the others all four).
 
     Rule r3: ``candidates`` maps each of :data:`POLICIES` to its four flag tensors; ``policy`` is the
     one the flags hold (``"a2"`` until the self-test picks one) and ``self_test_kl`` the self-test's
@@ -145,8 +153,9 @@ class RowDecision:
     policy: str | None = None
     self_test_kl: dict[str, float] | None = None
     # The trial encodings of the prompt's first N <= TRIAL_TILES tiles past the sink, fields
-    # [4, Hk, N, ...] (one row per option): the freeze of those tiles and the self-test's first
-    # tile reuse them, so no prompt tile is encoded twice; the freeze drops them.
+    # [C, Hk, N, ...] (one row per option measured, K's and V's counts as the scores'): the freeze
+    # of those tiles and the self-test's first tile reuse them, so no prompt tile is encoded twice;
+    # the freeze drops them.
     prompt_tiles: TileFields | None = field(default=None, repr=False)
 
     def prompt_fields(self, flags: tuple[torch.Tensor, ...] | None = None) -> TileFields:
@@ -201,34 +210,39 @@ def _error_sums(q, k, k_err, v_err, pos, s, scale):
     """Sums of the key logit errors ``|q_i . e_j| * scale`` over causal pairs and of the value output
     errors ``|sum_j p_ij f_j|``, per KV head and option, for the sampled queries ``pos``.
 
-    q: ``[Hq, T, D]``, k: ``[Hk, T, D]``; k_err, v_err: ``[Hk, nK, 4, D]`` the errors of the body
-    keys ``s .. s + nK - 1``; pos: sorted query positions, all ``>= s``.
-    Returns ``(key_sum [Hk, 4], value_sum [Hk, 4], causal pairs x query heads per KV head)``.
+    q: ``[Hq, T, D]``, k: ``[Hk, T, D]``; k_err ``[Hk, nK, Ck, D]``, v_err ``[Hk, nK, Cv, D]``: the
+    errors of the body keys ``s .. s + nK - 1`` under each of the options measured; pos: sorted
+    query positions, all ``>= s``.
+    Returns ``(key_sum [Hk, Ck], value_sum [Hk, Cv], causal pairs x query heads per KV head)``.
 
     Queries go in blocks, and a block reads only the keys its last query sees: the causal half of
-    the products is never computed, and the four options share one matrix product each.
+    the products is never computed, the options share one matrix product per tensor, and only the
+    block's last keys, which some of its queries do not see, are masked.
     """
     hq, t, d = q.shape
-    hk, nk, c, _ = k_err.shape
+    hk, nk, ck, _ = k_err.shape
+    cv = v_err.shape[2]
     grp = hq // hk
-    key_sum = q.new_zeros(hk, c)
-    value_sum = q.new_zeros(hk, c)
+    key_sum = q.new_zeros(hk, ck)
+    value_sum = q.new_zeros(hk, cv)
     pairs = 0.0
     for block in pos.split(QUERY_BLOCK):
-        last, nb = int(block[-1]), len(block)
+        first, last, nb = int(block[0]), int(block[-1]), len(block)
         m = min(last - s + 1, nk)  # body keys visible to some query of the block (queries are >= s)
+        seen = min(first - s + 1, m)  # body keys every query of the block sees
         # [Hk, grp * nb, D]: a KV head's query heads as rows of one product (no broadcast copies)
         qs = q[:, block].reshape(hk, grp * nb, d)
         visible = torch.arange(last + 1, device=q.device)[None, :] <= block[:, None]  # [nb, last + 1]
         logits = (qs @ k[:, : last + 1].transpose(-1, -2)).mul_(scale).view(hk, grp, nb, last + 1)
         p = torch.softmax(logits.masked_fill_(~visible, float("-inf")), dim=-1)[..., s:s + m]  # [Hk, grp, nb, m]
-        causal = visible[:, s:s + m].to(q.dtype)  # [nb, m]
-        pairs += float(causal.sum()) * grp
-        logit_err = (qs @ k_err[:, :m].reshape(hk, m * c, d).transpose(-1, -2)).abs_().mul_(scale)
-        key_sum += torch.einsum("hgbmc,bm->hc", logit_err.view(hk, grp, nb, m, c), causal)
-        out_err = p.reshape(hk, grp * nb, m) @ v_err[:, :m].reshape(hk, m, c * d)  # [Hk, grp * nb, 4 * D]
-        value_sum += out_err.abs_().view(hk, grp * nb, c, d).sum(dim=(1, 3))
-    return key_sum, value_sum, pairs
+        causal = visible[:, s + seen:s + m].to(q.dtype)  # [nb, m - seen]: the masked tail
+        pairs += (seen * nb + float(causal.sum())) * grp
+        logit_err = (qs @ k_err[:, :m].reshape(hk, m * ck, d).transpose(-1, -2)).abs_().view(hk, grp, nb, m, ck)
+        key_sum += logit_err[:, :, :, :seen].sum(dim=(1, 2, 3))
+        key_sum += torch.einsum("hgbmc,bm->hc", logit_err[:, :, :, seen:], causal)
+        out_err = p.reshape(hk, grp * nb, m) @ v_err[:, :m].reshape(hk, m, cv * d)  # [Hk, grp * nb, Cv * D]
+        value_sum += out_err.abs_().sum(dim=1).view(hk, cv, d).sum(-1)
+    return key_sum * scale, value_sum, pairs
 
 
 @torch.no_grad()
@@ -257,9 +271,12 @@ def decide_row(
     k, v = keys.to(torch.float32), values.to(torch.float32)
     body = slice(s, s + n * g)
 
-    # Trial quantization: candidate c uses option c for both K and V.
-    tiles, kh, vh = roundtrip_options(k[:, body], v[:, body], config, kernels)
-    # Errors laid out [Hk, nK, 4, D]: a prefix of the keys is a contiguous [Hk, m * 4, D] view.
+    # Trial quantization: the options the rule can pick (a2 and n2: the keys' normalized two; n2: the
+    # values' too), each applied to every tile of K and of V.
+    tiles, kh, vh = roundtrip_options(k[:, body], v[:, body], config, kernels,
+                                      key_options=4 if settings.rule in ("a3", "r3") else 2,
+                                      value_options=2 if settings.rule == "n2" else 4)
+    # Errors laid out [Hk, nK, C, D]: a prefix of the keys is a contiguous [Hk, m * C, D] view.
     k_err = (k[None, :, body] - kh).permute(1, 2, 0, 3).contiguous()
     v_err = (v[None, :, body] - vh).permute(1, 2, 0, 3).contiguous()
 
@@ -270,8 +287,8 @@ def decide_row(
     pos = torch.linspace(s, horizon - 1, nq, device=k.device).round().long().unique()
     key_sum, value_sum, pairs = _error_sums(q, k, k_err, v_err, pos, s, scale)
     grp = hq // hk
-    key_scores = key_sum / pairs  # [Hk, 4]: mean over causal (query, key) pairs and query heads
-    value_scores = value_sum / (grp * len(pos) * d)  # [Hk, 4]: mean over queries, heads, channels
+    key_scores = key_sum / pairs  # [Hk, Ck]: mean over causal (query, key) pairs and query heads
+    value_scores = value_sum / (grp * len(pos) * d)  # [Hk, Cv]: mean over queries, heads, channels
 
     opt = torch.tensor(OPTIONS, dtype=torch.bool, device=k.device)  # [4, 2]
 

@@ -102,7 +102,10 @@ def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float, normali
     """
     if normalized is None:
         ws = Workspace(x) if passes is None else passes(x)
-        a, b = best_iterate(*normalize_iterates(x, iters, ws))
+        if iters == 0:  # the identity is the only iterate: no imbalance to score
+            a, b = x.new_zeros(*x.shape[:-2], x.shape[-1]), x.new_zeros(*x.shape[:-1])
+        else:
+            a, b = best_iterate(*normalize_iterates(x, iters, ws))
         quantize = _quantize_torch if passes is None else ws.quantize
         packed, step, lo = quantize(x, a, b, bits, quantile)
         col_scale, row_scale = torch.exp(a), torch.exp(b)

@@ -152,42 +152,49 @@ def roundtrip_flavoured(keys: torch.Tensor, values: torch.Tensor, flavours: Flav
     return decode_flavoured(encode_flavoured(keys, values, flavours, config), flavours, config)
 
 
-def roundtrip_options(keys: torch.Tensor, values: torch.Tensor, config: KVarNConfig, kernels: str = "auto"):
-    """Each of the four :data:`OPTIONS`, applied to K and V alike: the encodings and round trips.
+def roundtrip_options(keys: torch.Tensor, values: torch.Tensor, config: KVarNConfig, kernels: str = "auto",
+                      key_options: int = 4, value_options: int = 4):
+    """The first ``key_options`` of :data:`OPTIONS` applied to K and the first ``value_options`` to V
+    (2: the normalized ones, RN and -N; 4: all): the encodings and round trips.
 
     keys, values: ``[Hk, N*G, D]`` in the model frame; kernels: as :func:`encode_flavoured`. Returns
-    the fields ``[4, Hk, N, ...]`` (row c: option c) and their round trips ``(keys, values)``
-    ``[4, Hk, N*G, D]``, float32, model frame: what :func:`encode_flavoured` and
-    :func:`decode_flavoured` give for each option, bit for bit (the codec's encode is per tile, and
-    every rotation here has the shape it has there).
+    the fields, K's ``[key_options, Hk, N, ...]`` and V's ``[value_options, Hk, N, ...]`` (row c:
+    option c; so K's and V's leading dims differ when the counts do), and their round trips
+    ``(keys [key_options, Hk, N*G, D], values [value_options, Hk, N*G, D])``, float32, model frame:
+    what :func:`encode_flavoured` and :func:`decode_flavoured` give for each option, bit for bit
+    (the codec's encode is per tile, and every rotation here has the shape it has there). A rule
+    that never picks an option need not pay for it (rule a2's keys: two).
 
     The rotation is taken once per tensor, and the two normalized options are one encode (as are
-    the two without normalization): four codec calls instead of eight, whose fixed cost per call
-    (a few dozen small tensor operations per normalization iteration) is most of a trial on CPU.
+    the two without normalization): at most four codec calls instead of eight, whose fixed cost per
+    call (a few dozen small tensor operations per normalization iteration) is most of a trial on CPU.
     """
+    for name, n in (("key_options", key_options), ("value_options", value_options)):
+        if n not in (2, 4):
+            raise ValueError(f"{name}={n!r}: choose 2 (the normalized options) or 4 (all of OPTIONS)")
     h, t, d = keys.shape
     g = config.tile
     passes = tile_passes(kernels, keys.device)
-    plain_k, plain_v = keys.to(torch.float32)[None], values.to(torch.float32)[None]
-    rot_k, rot_v = rotate_kv(plain_k, config), rotate_kv(plain_v, config)
-    # Rows in OPTIONS order within each call: (rotated, model frame).
-    k = torch.cat([rot_k, plain_k]).reshape(2, h, t // g, g, d).transpose(-1, -2)
-    v = torch.cat([rot_v, plain_v]).reshape(2, h, t // g, g, d)
     kq, vq = config.quantiles
-    norm_k = _encode_one(k, config.key_bits, config.sinkhorn_iters, kq, passes=passes)
-    bare_k = _encode_one(k, config.key_bits, 0, kq, passes=passes)
-    norm_v = _encode_one(v, config.value_bits, config.sinkhorn_iters, vq, passes=passes)
-    bare_v = _encode_one(v, config.value_bits, 0, vq, passes=passes)
-    kc, ks, kz, kr = (torch.cat(pair) for pair in zip(norm_k, bare_k))
-    vc, vs, vz, vcol = (torch.cat(pair) for pair in zip(norm_v, bare_v))
+
+    def trial(x, bits, quantile, options, as_tiles):
+        plain = x.to(torch.float32)[None]
+        both = as_tiles(torch.cat([rotate_kv(plain, config), plain]))  # OPTIONS order: rotated, model frame
+        parts = [_encode_one(both, bits, config.sinkhorn_iters, quantile, passes=passes)]
+        if options == 4:
+            parts.append(_encode_one(both, bits, 0, quantile, passes=passes))
+        return [torch.cat(f) for f in zip(*parts)]
+
+    kc, ks, kz, kr = trial(keys, config.key_bits, kq, key_options,
+                           lambda x: x.reshape(2, h, t // g, g, d).transpose(-1, -2))
+    vc, vs, vz, vcol = trial(values, config.value_bits, vq, value_options, lambda x: x.reshape(2, h, t // g, g, d))
     stacked = TileFields(kc, ks, kz, kr, vc, vcol, vs, vz)
-    dk, dv = decode_tiles(stacked, config)  # [4, Hk, N, D, G], [4, Hk, N, G, D]
-    dk = dk.transpose(-1, -2).reshape(4, h, t, d)
-    dv = dv.reshape(4, h, t, d)
-    for c, (rot, _) in enumerate(OPTIONS):
-        if rot:  # back to the model frame, one option at a time (decode_flavoured's shapes)
-            dk[c:c + 1] = rotate_kv(dk[c:c + 1], config)
-            dv[c:c + 1] = rotate_kv(dv[c:c + 1], config)
+    dk, dv = decode_tiles(stacked, config)  # [Ok, Hk, N, D, G], [Ov, Hk, N, G, D]
+    dk = dk.transpose(-1, -2).reshape(key_options, h, t, d)
+    dv = dv.reshape(value_options, h, t, d)
+    for x in (dk, dv):
+        for c in range(0, x.shape[0], 2):  # OPTIONS 0 and 2 are rotated: back to the model frame,
+            x[c:c + 1] = rotate_kv(x[c:c + 1], config)  # one option at a time (decode_flavoured's shapes)
     return stacked, dk, dv
 
 
@@ -199,8 +206,9 @@ def option_index(rotate: torch.Tensor, normalize: torch.Tensor) -> torch.Tensor:
 def select_options(tiles: TileFields, key_option: torch.Tensor, value_option: torch.Tensor) -> TileFields:
     """Per head, the K fields of option ``key_option[h]`` and the V fields of ``value_option[h]``.
 
-    tiles: fields ``[4, Hk, N, ...]`` as :func:`roundtrip_options` returns them (K and V are encoded
-    independently, so any pair of options is a valid flavour); options: long ``[..., Hk]``. Returns
+    tiles: fields ``[Ok, Hk, N, ...]`` (K) and ``[Ov, Hk, N, ...]`` (V) as :func:`roundtrip_options`
+    returns them (K and V are encoded independently, so any pair of options is a valid flavour);
+    options: long ``[..., Hk]``, each below its tensor's count of options. Returns
     fields ``[..., Hk, N, ...]``: what :func:`encode_flavoured` gives for those flavours (its encode
     is per tile).
     """

@@ -1,4 +1,5 @@
-"""kvarn-auto rule r3: choose a row's policy by a short self-test of the model on its own prompt.
+"""kvarn-auto rule r3 (an option; the default rule is a2): choose a row's policy by a short self-test
+of the model on its own prompt.
 
 The per-head rules of :mod:`kvarn.auto` score each head's local error; what decides quality is how
 the errors accumulate through the layers and the following tokens, which no local score sees (keys

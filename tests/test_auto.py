@@ -53,6 +53,22 @@ def test_high_variance_alignment_picks_rotated_keys():
     assert d.key_logit_error[0, 0] < d.key_logit_error[0, 1]
 
 
+def test_each_rule_measures_the_options_it_can_pick():
+    # a2 scores the keys' two normalized options only, n2 the values' too: the same scores as the
+    # rules that measure all four, and the same choice.
+    q, k, v = _aligned_case(False, seed=6)
+    full = decide_row(q, k, v, CFG, AutoSettings(rule="a3"))
+    for rule, (ck, cv) in (("a2", (2, 4)), ("n2", (2, 2)), ("r3", (4, 4))):
+        d = decide_row(q, k, v, CFG, AutoSettings(rule=rule))
+        assert d.key_logit_error.shape == (1, ck) and d.value_output_error.shape == (1, cv), rule
+        assert d.prompt_tiles.k_codes.shape[0] == ck and d.prompt_tiles.v_codes.shape[0] == cv, rule
+        torch.testing.assert_close(d.key_logit_error, full.key_logit_error[:, :ck], rtol=1e-5, atol=0)
+        torch.testing.assert_close(d.value_output_error, full.value_output_error[:, :cv], rtol=1e-5, atol=0)
+    a2 = decide_row(q, k, v, CFG, AutoSettings(rule="a2"))
+    want = full.key_logit_error[0, 1] < full.key_logit_error[0, 0]  # VarN's keys strictly better
+    assert bool(a2.key_rotate[0]) == (not bool(want)) and bool(a2.key_normalize[0])
+
+
 def test_rule_n2_and_the_margin():
     q, k, v = _aligned_case(False)
     n2 = decide_row(q, k, v, CFG, AutoSettings(rule="n2"))
@@ -204,18 +220,27 @@ def test_bad_inputs():
 
 @pytest.mark.parametrize("kernels", ["torch", pytest.param("numba", marks=pytest.mark.skipif(
     not numba_available(), reason="numba is not installed"))])
-def test_the_options_batch_and_its_selection_are_the_per_flavour_encode_bit_for_bit(kernels):
+@pytest.mark.parametrize("counts", [(4, 4), (2, 4), (2, 2)])
+def test_the_options_batch_and_its_selection_are_the_per_flavour_encode_bit_for_bit(kernels, counts):
     # The freeze and the self-test reuse the decision's trial encodings in place of encoding the
     # prompt's tiles again: every field must be what encode_flavoured writes, one tile per row.
+    # A rule that measures fewer options (a2's keys: the two normalized ones) gets those, the same bits.
     k, v = _kv(m=1, h=3, n=3, seed=4)
-    tiles, kh, vh = roundtrip_options(k[0], v[0], CFG, kernels)
+    tiles, kh, vh = roundtrip_options(k[0], v[0], CFG, kernels, *counts)
+    assert tiles.k_codes.shape[0] == kh.shape[0] == counts[0] and tiles.v_codes.shape[0] == vh.shape[0] == counts[1]
     for c, (rot, norm) in enumerate(OPTIONS):
         one = Flavours(*(torch.full((1, 3), x, dtype=torch.bool) for x in (rot, norm, rot, norm)))
         one_tiles = encode_flavoured(k, v, one, CFG, "torch")
-        for name in FIELD_ORDER:
-            assert torch.equal(getattr(tiles, name)[c], getattr(one_tiles, name)[0]), (c, name)
         dk, dv = roundtrip_flavoured(k, v, one, CFG)
-        assert torch.equal(kh[c], dk[0]) and torch.equal(vh[c], dv[0])
+        for name in FIELD_ORDER:
+            if c < counts[0 if name.startswith("k_") else 1]:
+                assert torch.equal(getattr(tiles, name)[c], getattr(one_tiles, name)[0]), (c, name)
+        assert c >= counts[0] or torch.equal(kh[c], dk[0])
+        assert c >= counts[1] or torch.equal(vh[c], dv[0])
+    if counts != (4, 4):
+        with pytest.raises(ValueError, match="key_options=3"):
+            roundtrip_options(k[0], v[0], CFG, kernels, 3, 4)
+        return
     flags = [torch.tensor(x) for x in ([True, False, True], [True, True, False], [False, True, False],
                                        [False, True, True])]
     per_tile = Flavours(*(f[None].expand(3, 3) for f in flags))

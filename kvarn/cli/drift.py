@@ -38,7 +38,7 @@ def add_parser(subparsers) -> None:
                    help="tokens of the first, exact pass, like a prompt (default: one chunk); kvarn-auto decides from it")
     p.add_argument("--auto-rules", type=_csv, default=None,
                    help="kvarn-auto decision rules to run, comma-separated: a2, a3, n2, r3 (the self-test), "
-                        "each optionally @margin (default: r3)")
+                        "each optionally @margin (default: a2)")
     p.add_argument("--ranges", type=_csv, default=None,
                    help="rounding ranges to run each method with, comma-separated: method (its own: min/max, "
                         "kvarn-auto's 2-bit quantiles for kvarn-auto), auto (kvarn-auto's for every method, key "

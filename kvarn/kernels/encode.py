@@ -291,14 +291,16 @@ def _tile_flags(pairs, lead, name, device) -> list[torch.Tensor]:
     return [x.reshape(-1).to(device) for x in pairs]
 
 
-def _default_warps(n_tiles: int, tile_elems: int, device: torch.device) -> int:
+def _default_warps(n_tiles: int, tile_elems: int, device: torch.device, quantiles: bool = False) -> int:
     """Warps per program, from bench_flush on the H200 (BENCHMARKS.md table 2). 16K-element tiles:
     4 when the launch fills the GPU three times over (the tile and one scaled copy fit the
     registers: the most tiles per second, 2.31 against 2.40 ms for 8192 tiles at 8 warps), else 8:
     a layer's flush is 16 programs at batch 1 and 256 at batch 16, on 132 SMs, and each program's
     latency is the step's (1.46 ms for 32 layers at batch 1 against 2.26 ms at 16 warps). Larger
-    tiles: 8 (2.09 against 2.87 ms for 4096 tiles of D 256 at 16 warps)."""
-    if tile_elems > 16384:
+    tiles: 8 (2.09 against 2.87 ms for 4096 tiles of D 256 at 16 warps). Rows rounded over
+    quantiles (``quantiles``; the order statistics work on a copy of the tile): 8 at every size
+    (rotating k2v2 tiles at 8 / 4 warps: 8192 tiles 4.38 / 6.62 ms, 512 tiles 0.31 / 0.38 ms)."""
+    if tile_elems > 16384 or quantiles:
         return 8
     return 4 if 2 * n_tiles >= 3 * num_sms(device) else 8
 
@@ -396,6 +398,6 @@ def encode_tiles(
         HAS_SLOT=slot is not None, CHECK=bad is not None,
         KQ=kt[0], KLO0=kt[1][0], KLO1=kt[1][1], KHI0=kt[1][2], KHI1=kt[1][3],
         VQ=vt[0], VLO0=vt[1][0], VLO1=vt[1][1], VHI0=vt[1][2], VHI1=vt[1][3],
-        num_warps=num_warps or _default_warps(n_tiles, d * g, dev),
+        num_warps=num_warps or _default_warps(n_tiles, d * g, dev, kt[0] or vt[0]),
     )
     return out

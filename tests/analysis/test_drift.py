@@ -115,7 +115,8 @@ def test_bad_inputs(tiny_llama, tiny_ids):
 
 def test_kvarn_auto_decides_from_the_prefill(tiny_llama, tiny_ids):
     specs = parse_specs(["kvarn", "kvarn-auto"], ["k2v2_g64"], auto_rules=["a2", "a3"])
-    assert [s.key for s in specs] == ["kvarn:k2v2_g64", "kvarn-auto-a2:k2v2_g64", "kvarn-auto-a3:k2v2_g64"]
+    # a2 is the default rule: its key has no suffix
+    assert [s.key for s in specs] == ["kvarn:k2v2_g64", "kvarn-auto:k2v2_g64", "kvarn-auto-a3:k2v2_g64"]
     run = pseudo_decode(tiny_llama, tiny_ids, specs, prefill=192, progress=False)
     assert run.positions == [192, 256] and run.prefill == 192 and run.chunk_targets == [192, 63]
     diag = run.prompt_diagnostics["k2v2_g64"]
@@ -123,13 +124,13 @@ def test_kvarn_auto_decides_from_the_prefill(tiny_llama, tiny_ids):
     for d in diag.values():  # per KV head: rotated / unrotated key logit error and the correlation
         assert len(d["key_logit_error_rotated"]) == 2 and len(d["log_key_variance_vs_log_query_energy_corr"]) == 2
         assert all(x > 0 for x in d["key_logit_error_rotated"] + d["key_logit_error_unrotated"])
-    for key in ("kvarn-auto-a2:k2v2_g64", "kvarn-auto-a3:k2v2_g64"):
+    for key in ("kvarn-auto:k2v2_g64", "kvarn-auto-a3:k2v2_g64"):
         r = run.methods[key]
         assert sorted(r.decisions) == [0, 1, 2] and all(d["decided"] for d in r.decisions.values())
         assert r.kl[0] == 0.0 and r.kl[1] > 0  # the prefill is exact, the next chunk reads quantized tiles
     # rule a2's key choices are the argmin of its own scores (ties to KVarN), which are taken with
     # kvarn-auto's 2-bit ranges: not the diagnostics' (the spec's min/max ranges)
-    a2 = run.methods["kvarn-auto-a2:k2v2_g64"].decisions
+    a2 = run.methods["kvarn-auto:k2v2_g64"].decisions
     assert all(a2[i]["key_rotate"] == [e[0] <= e[1] for e in a2[i]["key_logit_error"]] for i in diag)
     assert any(a2[i]["key_logit_error_rotated"] != diag[i]["key_logit_error_rotated"] for i in diag)
     assert run.methods["kvarn:k2v2_g64"].decisions is None
@@ -141,18 +142,19 @@ def test_rule_r3_runs_the_policy_it_picked(tiny_llama, tiny_ids):
 
     ids = torch.cat([tiny_ids, tiny_ids[:, :64]], dim=1)  # 320: a 256-token prefill (S + 3G) and a chunk
     specs = [MethodSpec("kvarn", "k2v2_g64")] + [MethodSpec("kvarn-auto", "k2v2_g64", r) for r in ("a2", "a3", "r3")]
-    assert specs[-1].key == "kvarn-auto:k2v2_g64"  # r3 is the default rule
+    assert specs[1].key == "kvarn-auto:k2v2_g64" and specs[-1].key == "kvarn-auto-r3:k2v2_g64"  # a2: the default
     run = pseudo_decode(tiny_llama, ids, specs, prefill=256, progress=False)
-    r3 = run.methods["kvarn-auto:k2v2_g64"]
+    r3 = run.methods["kvarn-auto-r3:k2v2_g64"]
     policies = {d["policy"] for d in r3.decisions.values()}
     assert len(policies) == 1 and r3.auto_rule == "r3"
     policy = policies.pop()
     kl = r3.decisions[0]["self_test_kl"]
     assert set(kl) == set(POLICIES) and kl[policy] == min(kl.values())
-    same = run.methods["kvarn:k2v2_g64" if policy == "kvarn" else f"kvarn-auto-{policy}:k2v2_g64"]
+    own_key = {"kvarn": "kvarn:k2v2_g64", "a2": "kvarn-auto:k2v2_g64", "a3": "kvarn-auto-a3:k2v2_g64"}
+    same = run.methods[own_key[policy]]
     assert r3.kl == pytest.approx(same.kl, rel=1e-5, abs=1e-8)
     short = pseudo_decode(tiny_llama, tiny_ids, specs[-1:], prefill=192, progress=False)  # < S + 3G
-    assert {d["policy"] for d in short.methods["kvarn-auto:k2v2_g64"].decisions.values()} == {"a2"}
+    assert {d["policy"] for d in short.methods["kvarn-auto-r3:k2v2_g64"].decisions.values()} == {"a2"}
 
 
 def test_kvarn_auto_free_run_uses_the_prompt(tiny_llama, tiny_ids):
