@@ -66,6 +66,9 @@ from .flavour import NAMED, OPTIONS, Flavours, option_index, roundtrip_options, 
 RULES = ("a2", "a3", "n2", "r3")
 #: Rule r3's candidate policies, in the order ties are broken.
 POLICIES = ("kvarn", "a2", "a3")
+#: How many of :data:`kvarn.flavour.OPTIONS` (the first ones) each local rule chooses among, for
+#: the keys and for the values; the trial measures those only (r3: its candidates' most).
+CHOICES = {"a2": (2, 4), "a3": (4, 4), "n2": (2, 2)}
 # Sampled queries per block of the error sums: smaller blocks skip more of the non-causal pairs, and
 # below 32 the per-block overhead wins (measured on CPU at 512 and 2048 tokens).
 QUERY_BLOCK = 32
@@ -271,11 +274,10 @@ def decide_row(
     k, v = keys.to(torch.float32), values.to(torch.float32)
     body = slice(s, s + n * g)
 
-    # Trial quantization: the options the rule can pick (a2 and n2: the keys' normalized two; n2: the
-    # values' too), each applied to every tile of K and of V.
-    tiles, kh, vh = roundtrip_options(k[:, body], v[:, body], config, kernels,
-                                      key_options=4 if settings.rule in ("a3", "r3") else 2,
-                                      value_options=2 if settings.rule == "n2" else 4)
+    # Trial quantization: the options the rule can pick (CHOICES), each applied to every tile of K and V.
+    rules = POLICIES[1:] if settings.rule == "r3" else (settings.rule,)
+    key_options, value_options = (max(CHOICES[r][i] for r in rules) for i in (0, 1))
+    tiles, kh, vh = roundtrip_options(k[:, body], v[:, body], config, kernels, key_options, value_options)
     # Errors laid out [Hk, nK, C, D]: a prefix of the keys is a contiguous [Hk, m * C, D] view.
     k_err = (k[None, :, body] - kh).permute(1, 2, 0, 3).contiguous()
     v_err = (v[None, :, body] - vh).permute(1, 2, 0, 3).contiguous()
@@ -293,8 +295,8 @@ def decide_row(
     opt = torch.tensor(OPTIONS, dtype=torch.bool, device=k.device)  # [4, 2]
 
     def flags(rule):
-        ki = _choose(key_scores, 4 if rule == "a3" else 2, settings.margin)
-        vi = _choose(value_scores, 2 if rule == "n2" else 4, settings.margin)
+        ki = _choose(key_scores, CHOICES[rule][0], settings.margin)
+        vi = _choose(value_scores, CHOICES[rule][1], settings.margin)
         return opt[ki, 0], opt[ki, 1], opt[vi, 0], opt[vi, 1]
 
     candidates = policy = None

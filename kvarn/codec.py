@@ -101,8 +101,8 @@ def _encode_one(x: torch.Tensor, bits: int, iters: int, quantile: float, normali
     Other tiles are encoded exactly as docs/algorithm.md sections 2-3 say.
     """
     if normalized is None:
-        ws = Workspace(x) if passes is None else passes(x)
-        if iters == 0:  # the identity is the only iterate: no imbalance to score
+        ws = passes(x) if passes is not None else Workspace(x) if iters else None
+        if iters == 0:  # the identity is the only iterate: no imbalance to score (nor torch buffers)
             a, b = x.new_zeros(*x.shape[:-2], x.shape[-1]), x.new_zeros(*x.shape[:-1])
         else:
             a, b = best_iterate(*normalize_iterates(x, iters, ws))
