@@ -17,9 +17,11 @@ rotated (the others are stored in the model frame).
 
 Differences from the torch twin, by design: the unbiased standard deviations are two-pass sums in a
 different reduction order, two of each iteration's four are derived from earlier ones (see
-``_encode_one``), the others are taken of ``X * exp(-a)`` (rows) and ``X * exp(-b)`` (columns) and
-then scaled, divisions are multiplications by ``exp(-b)``, ``exp(-a)`` and ``1 / step``, and
-``exp``/``log`` come from the GPU's math library, so a scale can differ by one fp16 ulp, a code
+``_encode_one``), the others are taken of ``X * exp(-a)`` (rows) and ``X * exp(-b)`` (columns),
+products fused into the sums and deviations (FMAs), and then scaled, divisions are
+multiplications by ``exp(-b)``, ``exp(-a)`` and ``1 / step``, ``exp`` comes from the GPU's
+``ex2.approx`` and ``log`` from its ``lg2.approx`` (libdevice's ``logf`` under the interpreter),
+so a scale can differ by one fp16 ulp, a code
 that sits on a rounding boundary can move by one step, and where two iterates score the same
 imbalance up to fp32 rounding the kernel may keep the other one (rarely: see the kernel tests).
 Quantile ranges (``config.key_quantile`` / ``value_quantile`` > 0): the ranks each quantile
@@ -42,30 +44,56 @@ from ..codec import TileFields
 from ..config import KVarNConfig
 from ..quantize import quantile_ranks
 from .decode_blocks import hadamard_rows
-from .layout import check_device, check_fields, empty_fields, lead_strides, num_sms
+from .layout import check_device, check_fields, empty_fields, interpreting, lead_strides, num_sms
 
 
 @triton.jit
-def _ustd_cols(y, R: tl.constexpr):
-    """Unbiased std of each column (over rows), two-pass. y: [R, C] -> [C]."""
-    mean = tl.sum(y, axis=0) / R
-    dev = y - mean[None, :]
-    return tl.sqrt(tl.sum(dev * dev, axis=0) / (R - 1))
+def _ustd_cols(x, f, R: tl.constexpr):
+    """Unbiased std of each column of ``x * f[:, None]`` (over rows), two-pass: ``x [R, C]`` -> ``[C]``.
+    The scaled tile is never formed: the sum contracts to one FMA per value, the deviations are
+    ``fma(x, f, -mean)``, and only ``x`` stays live."""
+    mean = tl.sum(x * f[:, None], axis=0) * (1.0 / R)
+    dev = tl.fma(x, f[:, None], -mean[None, :])
+    return tl.sqrt(tl.sum(dev * dev, axis=0) * (1.0 / (R - 1)))
 
 
 @triton.jit
-def _ustd_rows(y, C: tl.constexpr):
-    mean = tl.sum(y, axis=1) / C
-    dev = y - mean[:, None]
-    return tl.sqrt(tl.sum(dev * dev, axis=1) / (C - 1))
+def _ustd_rows(x, e, C: tl.constexpr):
+    """Unbiased std of each row of ``x * e[None, :]`` (over columns): ``x [R, C]`` -> ``[R]``."""
+    mean = tl.sum(x * e[None, :], axis=1) * (1.0 / C)
+    dev = tl.fma(x, e[None, :], -mean[:, None])
+    return tl.sqrt(tl.sum(dev * dev, axis=1) * (1.0 / (C - 1)))
+
+
+@triton.jit
+def _max_min(a, b, c, d):
+    return tl.maximum(a, c), tl.minimum(b, d)
+
+
+@triton.jit
+def _spread(v):
+    """``max(v) / max(min(v), 1e-8)``: both extremes in one reduction."""
+    hi, lo = tl.reduce((v, v), 0, _max_min)
+    return hi / tl.maximum(lo, 1e-8)
 
 
 @triton.jit
 def _score(cs, rs):
     """The spec's imbalance from the column and row standard deviations."""
-    return tl.max(cs, axis=0) / tl.maximum(tl.min(cs, axis=0), 1e-8) + tl.max(rs, axis=0) / tl.maximum(
-        tl.min(rs, axis=0), 1e-8
-    )
+    return _spread(cs) + _spread(rs)
+
+
+@triton.jit
+def _log(x, ASM: tl.constexpr):
+    """Natural log. ASM: the GPU's ``lg2.approx`` (relative error about 2^-22, one MUFU op)
+    instead of libdevice's logf polynomial (about 20 instructions), which the per-row and
+    per-column vectors pay once per copy a thread holds; the interpreter takes ``tl.log``."""
+    if ASM:
+        l2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                       is_pure=True, pack=1)
+        return l2 * 0.6931471805599453
+    else:
+        return tl.log(x)
 
 
 @triton.jit
@@ -106,7 +134,7 @@ def _encode_one(
     x, codes_ptr, codes_off, rs_ptr, rs_off, rz_ptr, rz_off, cs_ptr, cs_off, bad_ptr,
     norm, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr, CHECK: tl.constexpr,
     QUANT: tl.constexpr, LO0: tl.constexpr, LO1: tl.constexpr, HI0: tl.constexpr, HI1: tl.constexpr,
-    c_lo, c_hi,
+    c_lo, c_hi, ASM: tl.constexpr,
 ):
     """Normalize, round, pack and store one fp32 tile ``x [R, C]`` (rotated frame)."""
     rows = tl.arange(0, R)
@@ -117,21 +145,26 @@ def _encode_one(
     # tile: the column update uses the columns' deviations the last score took (same Y), and a
     # row update scales each row, so the rows' deviations after it are the ones before it times
     # exp(b_old - b_new). Two reductions over the tile per iteration instead of four.
-    cs = _ustd_cols(x, R)
-    rs = _ustd_rows(x, C)
+    # Y = X / (exp(b) (x) exp(a)) is never formed: a row's deviation of Y is exp(-b) times that
+    # row's deviation of X * exp(-a) (a column's alike), and X * exp(-a) itself is never formed
+    # either (_ustd_rows), so only X is live and a pass costs about three operations per value (the
+    # product in the sum, the deviation, its square; mostly FMAs): at 8 warps 64 registers a thread
+    # hold the tile, and under a 128-register cap two programs share an SM (_launch_options).
+    ones_r = tl.full([R], 1.0, tl.float32)
+    ones_c = tl.full([C], 1.0, tl.float32)
+    cs = _ustd_cols(x, ones_r, R)
+    rs = _ustd_rows(x, ones_c, C)
     best = _score(cs, rs)
     best_a = a
     best_b = b
-    # Y = X / (exp(b) (x) exp(a)) is never formed in the iterations: a row's deviation of Y is
-    # exp(-b) times that row's deviation of X * exp(-a) (a column's alike), so a pass costs one
-    # multiply per value and no IEEE division (a dozen instructions), and only X and one scaled copy
-    # are live: with 4 warps that fits the registers (bench_flush: 1.5x over Y formed at 8 warps).
     for _ in range(ITERS):
-        a = tl.minimum(tl.maximum(a + tl.log(tl.minimum(tl.maximum(cs, 1e-3), 1e3)), -0.3), 10.0)
-        rs_x = _ustd_rows(x * tl.exp(-a)[None, :], C)
-        b = tl.minimum(tl.maximum(b + tl.log(tl.minimum(tl.maximum(rs_x * tl.exp(-b), 1e-3), 1e3)), -0.3), 10.0)
-        rs = rs_x * tl.exp(-b)  # the rows of Y after the row update
-        cs = _ustd_cols(x * tl.exp(-b)[:, None], R) * tl.exp(-a)
+        a = tl.minimum(tl.maximum(a + _log(tl.minimum(tl.maximum(cs, 1e-3), 1e3), ASM), -0.3), 10.0)
+        ea = tl.exp(-a)
+        rs_x = _ustd_rows(x, ea, C)
+        b = tl.minimum(tl.maximum(b + _log(tl.minimum(tl.maximum(rs_x * tl.exp(-b), 1e-3), 1e3), ASM), -0.3), 10.0)
+        eb = tl.exp(-b)
+        rs = rs_x * eb  # the rows of Y after the row update
+        cs = _ustd_cols(x, eb, R) * ea
         m = _score(cs, rs)
         take = (m <= best) & norm  # ties go to the later iterate; without normalization: the identity
         best = tl.where(take, m, best)
@@ -218,7 +251,7 @@ def _encode_tiles_kernel(
     HAS_NORM: tl.constexpr, ROTATE: tl.constexpr, HAS_ROT: tl.constexpr, HAS_SLOT: tl.constexpr,
     CHECK: tl.constexpr, KQ: tl.constexpr, KLO0: tl.constexpr, KLO1: tl.constexpr, KHI0: tl.constexpr,
     KHI1: tl.constexpr, VQ: tl.constexpr, VLO0: tl.constexpr, VLO1: tl.constexpr, VHI0: tl.constexpr,
-    VHI1: tl.constexpr,
+    VHI1: tl.constexpr, ASM: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv = tl.program_id(1)  # 0: the K tile, 1: the V tile
@@ -251,7 +284,7 @@ def _encode_tiles_kernel(
             ks_ptr, _field_offset(i0, i1, o2, ks_s0, ks_s1, ks_s2),
             kz_ptr, _field_offset(i0, i1, o2, kz_s0, kz_s1, kz_s2),
             kr_ptr, _field_offset(i0, i1, o2, kr_s0, kr_s1, kr_s2),
-            bad_ptr, norm, D, G, KB, ITERS, CHECK, KQ, KLO0, KLO1, KHI0, KHI1, k_clo, k_chi,
+            bad_ptr, norm, D, G, KB, ITERS, CHECK, KQ, KLO0, KLO1, KHI0, KHI1, k_clo, k_chi, ASM,
         )
     else:
         xv = _load_tile(v_ptr, _field_offset(i0, i1, i2, v_s0, v_s1, v_s2), v_sr, v_sc, G, D)
@@ -264,7 +297,7 @@ def _encode_tiles_kernel(
             vs_ptr, _field_offset(i0, i1, o2, vs_s0, vs_s1, vs_s2),
             vz_ptr, _field_offset(i0, i1, o2, vz_s0, vz_s1, vz_s2),
             vcs_ptr, _field_offset(i0, i1, o2, vcs_s0, vcs_s1, vcs_s2),
-            bad_ptr, norm, G, D, VB, ITERS, CHECK, VQ, VLO0, VLO1, VHI0, VHI1, v_clo, v_chi,
+            bad_ptr, norm, G, D, VB, ITERS, CHECK, VQ, VLO0, VLO1, VHI0, VHI1, v_clo, v_chi, ASM,
         )
 
 
@@ -291,25 +324,38 @@ def _tile_flags(pairs, lead, name, device) -> list[torch.Tensor]:
     return [x.reshape(-1).to(device) for x in pairs]
 
 
-def _default_warps(n_tiles: int, tile_elems: int, device: torch.device, quantiles: bool = False) -> int:
-    """Warps per program, from bench_flush on the H200 (BENCHMARKS.md table 2). 16K-element tiles:
-    4 when the launch fills the GPU three times over (the tile and one scaled copy fit the
-    registers: the most tiles per second, 2.31 against 2.40 ms for 8192 tiles at 8 warps), else 8:
-    a layer's flush is 16 programs at batch 1 and 256 at batch 16, on 132 SMs, and each program's
-    latency is the step's (1.46 ms for 32 layers at batch 1 against 2.26 ms at 16 warps). Larger
-    tiles: 8 (2.09 against 2.87 ms for 4096 tiles of D 256 at 16 warps). Rows rounded over
-    quantiles (``quantiles``; the order statistics work on a copy of the tile): 8 at every size
-    (rotating k2v2 tiles at 8 / 4 warps: 8192 tiles 4.38 / 6.62 ms, 512 tiles 0.31 / 0.38 ms)."""
-    if tile_elems > 16384 or quantiles:
-        return 8
-    return 4 if 2 * n_tiles >= 3 * num_sms(device) else 8
+def _launch_options(n_tiles: int, tile_elems: int, device: torch.device, quantiles: bool = False) -> dict:
+    """Warps per program and register cap, from scratch runs on the H200 (BENCHMARKS.md table 2).
+    8 warps: with only X live the tile takes 64 registers a thread, so 8 warps run 16K-element
+    tiles faster than 4 in every launch measured (the cache's 32 per-layer launches at batch 16:
+    2.59 against 2.67 ms; at batch 1: 1.37 against 1.95 ms). Capped at 128 registers (a few spills
+    to L1) where a launch has more programs than SMs: two programs then share an SM (at batch 16
+    a layer's 256 programs run as one wave on 132 SMs: 2.22 against 2.59 ms), while at batch 1
+    (16 programs a layer) the cap only adds spills (1.54 against 1.37 ms). Larger tiles and rows
+    rounded over quantiles (their order statistics work on a copy of the tile): 8 warps, no cap."""
+    if tile_elems > 16384 or quantiles or 2 * n_tiles < num_sms(device):
+        return {"num_warps": 8}
+    return {"num_warps": 8, "maxnreg": 128}
+
+
+def _options(default: dict, num_warps: int | None, max_registers: int | None) -> dict:
+    """The launch options: the defaults with the caller's knobs over them (the default register cap
+    goes with the default warps); no register cap under the interpreter (it has no registers)."""
+    opts = dict(default)
+    if num_warps is not None:
+        opts = {"num_warps": num_warps}
+    if max_registers is not None:
+        opts["maxnreg"] = max_registers
+    if interpreting():
+        opts.pop("maxnreg", None)
+    return opts
 
 
 def encode_tiles(
     k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConfig, out: TileFields | None = None,
     *, normalize: tuple[torch.Tensor, torch.Tensor] | None = None,
     rotate: bool | tuple[torch.Tensor, torch.Tensor] | None = None, slot: torch.Tensor | None = None,
-    bad: torch.Tensor | None = None, num_warps: int | None = None,
+    bad: torch.Tensor | None = None, num_warps: int | None = None, max_registers: int | None = None,
 ) -> TileFields:
     """Quantize tiles in one launch. k_tiles: ``[..., D, G]``, v_tiles: ``[..., G, D]``.
 
@@ -328,7 +374,7 @@ def encode_tiles(
     and input tile ``(i, j, n)`` is written at ``(i, j, slot + n)`` (read on the device, so a captured
     CUDA graph writes each replay's tiles at the slot of that replay). ``bad``: int32 ``[1]`` on the
     device, set to 1 if a stored fp16 scale is non-finite (the range check without a host read).
-    ``num_warps``: a tuning knob (default: see ``_default_warps``), no effect on results.
+    ``num_warps``, ``max_registers``: tuning knobs (default: see ``_launch_options``), no effect on results.
     """
     if not isinstance(config, KVarNConfig):
         raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")
@@ -397,7 +443,7 @@ def encode_tiles(
         HAS_NORM=normalize is not None, ROTATE=rotate is not None, HAS_ROT=isinstance(rotate, tuple),
         HAS_SLOT=slot is not None, CHECK=bad is not None,
         KQ=kt[0], KLO0=kt[1][0], KLO1=kt[1][1], KHI0=kt[1][2], KHI1=kt[1][3],
-        VQ=vt[0], VLO0=vt[1][0], VLO1=vt[1][1], VHI0=vt[1][2], VHI1=vt[1][3],
-        num_warps=num_warps or _default_warps(n_tiles, d * g, dev, kt[0] or vt[0]),
+        VQ=vt[0], VLO0=vt[1][0], VLO1=vt[1][1], VHI0=vt[1][2], VHI1=vt[1][3], ASM=not interpreting(),
+        **_options(_launch_options(n_tiles, d * g, dev, kt[0] or vt[0]), num_warps, max_registers),
     )
     return out
