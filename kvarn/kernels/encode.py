@@ -325,17 +325,24 @@ def _tile_flags(pairs, lead, name, device) -> list[torch.Tensor]:
 
 
 def _launch_options(n_tiles: int, tile_elems: int, device: torch.device, quantiles: bool = False) -> dict:
-    """Warps per program and register cap, from scratch runs on the H200 (BENCHMARKS.md table 2).
-    8 warps: with only X live the tile takes 64 registers a thread, so 8 warps run 16K-element
-    tiles faster than 4 in every launch measured (the cache's 32 per-layer launches at batch 16:
-    2.59 against 2.67 ms; at batch 1: 1.37 against 1.95 ms). Capped at 128 registers (a few spills
-    to L1) where a launch has more programs than SMs: two programs then share an SM (at batch 16
-    a layer's 256 programs run as one wave on 132 SMs: 2.22 against 2.59 ms), while at batch 1
-    (16 programs a layer) the cap only adds spills (1.54 against 1.37 ms). Larger tiles and rows
-    rounded over quantiles (their order statistics work on a copy of the tile): 8 warps, no cap."""
-    if tile_elems > 16384 or quantiles or 2 * n_tiles < num_sms(device):
+    """Warps per program and register cap by launch size, from runs on the H200 (BENCHMARKS.md
+    table 2; the cache flushes a layer at a time: 16 programs at batch 1, 256 at batch 16, on 132
+    SMs). With only X live a 16K-element tile takes 128 registers a thread at 4 warps, 64 at 8.
+    4 warps from three programs per SM up (the most tiles per second: 8192 rotating programs 2.12
+    ms, against 2.11 ms at 8 warps capped as below and 2.24 ms uncapped). 8 warps, capped at 128
+    registers (a few spills to L1), from one program per SM: two programs then share an SM, so a
+    batch-16 layer runs as one wave (the cache's 32 layers: 2.22 against 2.59 ms uncapped and 2.67
+    ms at 4 warps). 8 warps uncapped below that, where each program's latency is the step's and
+    the cap only adds spills (batch 1: 1.37 against 1.54 ms capped and 1.95 ms at 4 warps). Larger
+    tiles and rows rounded over quantiles (their order statistics work on a copy of the tile): 8
+    warps, uncapped."""
+    if tile_elems > 16384 or quantiles:
         return {"num_warps": 8}
-    return {"num_warps": 8, "maxnreg": 128}
+    if 2 * n_tiles >= 3 * num_sms(device):
+        return {"num_warps": 4}
+    if 2 * n_tiles >= num_sms(device):
+        return {"num_warps": 8, "maxnreg": 128}
+    return {"num_warps": 8}
 
 
 def _options(default: dict, num_warps: int | None, max_registers: int | None) -> dict:
