@@ -381,7 +381,10 @@ def encode_tiles(
     and input tile ``(i, j, n)`` is written at ``(i, j, slot + n)`` (read on the device, so a captured
     CUDA graph writes each replay's tiles at the slot of that replay). ``bad``: int32 ``[1]`` on the
     device, set to 1 if a stored fp16 scale is non-finite (the range check without a host read).
-    ``num_warps``, ``max_registers``: tuning knobs (default: see ``_launch_options``), no effect on results.
+    ``num_warps``, ``max_registers``: tuning knobs (default: see ``_launch_options``). The warps set
+    the reduction order, so results can differ within the twin's tolerance (module docstring: a
+    tied iterate, a code on a rounding boundary); the register cap moves values to local memory,
+    not the arithmetic.
     """
     if not isinstance(config, KVarNConfig):
         raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")

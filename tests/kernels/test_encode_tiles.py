@@ -249,6 +249,24 @@ def test_encode_full(name, d):
     assert moved <= 0.25 * kt.shape[:-2].numel() * 2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("opts", [dict(num_warps=4), dict(num_warps=8, max_registers=128), dict(num_warps=8)])
+def test_encode_launch_options_keep_the_tolerance(opts):
+    """The launch knobs (the defaults pick them by launch size, see ``_launch_options``) change the
+    reduction order, not the encoding: every form stays within the twin's tolerance, here on a
+    launch of 512 programs (about 4 per SM on an H200, a size the cache's flush only reaches at larger
+    batches) in the flush's form (fp16 model-frame tiles rotated by the kernel)."""
+    cfg = KVarNConfig.from_name("k4v2_g128")
+    k, v = synthetic_kv(8, 8, 4 * cfg.tile, 128, "cuda", seed=7)
+    k16, v16, kt16, vt16 = _model_frame(k, v, cfg)
+    kt, vt = rotated_tiles(k16.float(), v16.float(), cfg)  # 256 tiles of K and of V
+    out = kernels.encode_tiles(kt16, vt16, cfg, rotate=True, **opts)
+    flips, total, moved = compare(out, torch_encode(kt, vt, cfg), cfg, (kt, vt))
+    assert flips <= 1e-4 * total, f"{opts}: {flips} of {total} codes differ"
+    assert moved <= 0.25 * kt.shape[:-2].numel() * 2
+
+
 def test_encode_per_tile_normalization_matches_the_flavour_codec(kdevice):
     """kvarn-auto: normalization off for some tiles' K or V, the torch twin with T = 0 there."""
     from kvarn.flavour import Flavours, encode_flavoured
