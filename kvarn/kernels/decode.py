@@ -53,7 +53,7 @@ from ..attention import check_decode_inputs, head_flags
 from ..codec import FIELD_ORDER, TileFields
 from ..config import KVarNConfig
 from .decode_blocks import fp_block, hadamard_rows, hilo, merge_range, store_output, store_partial, tile_load, tile_step
-from .layout import check_device, empty_fields, interpreting, lead_strides, num_sms
+from .layout import check_device, check_launch_knobs, empty_fields, interpreting, lead_strides, num_sms
 
 LOG2E = 1.4426950408889634
 BLOCK_N = tl.constexpr(32)  # full-precision tokens per step
@@ -327,6 +327,7 @@ def decode_attention(
         x = getattr(tiles, name)
         tile_args += [x, *((0, 0, 0) if no_tiles else lead_strides(x, 3, 2 if name.endswith("codes") else 1))]
 
+    check_launch_knobs(num_warps, max_registers)
     if num_stages is not None and int(num_stages) < 1:
         raise ValueError(f"num_stages={num_stages!r}; use 1 (no software pipeline) or more")
     warps, regs, stages, waves = launch_plan(b * hk, d, m)

@@ -44,7 +44,8 @@ from ..codec import TileFields
 from ..config import KVarNConfig
 from ..quantize import quantile_ranks
 from .decode_blocks import hadamard_rows
-from .layout import check_device, check_fields, empty_fields, interpreting, lead_strides, num_sms
+from .layout import (check_device, check_fields, check_launch_knobs, empty_fields, interpreting, lead_strides,
+                     num_sms)
 
 
 @triton.jit
@@ -416,6 +417,7 @@ def encode_tiles(
         if out is None:
             out = empty_fields(lead, config, d, dev)
         check_fields(out, lead, config, d)
+    check_launch_knobs(num_warps, max_registers)
     if bad is not None and (not isinstance(bad, torch.Tensor) or bad.dtype != torch.int32 or bad.numel() != 1):
         raise ValueError(f"bad must be an int32 tensor of one element, got {bad!r}")
     n_tiles = 1

@@ -66,6 +66,15 @@ def check_fields(t: TileFields, lead: tuple[int, ...], config: KVarNConfig, head
 __all__ = ["record_fields_view", "empty_fields", "check_device", "lead_strides", "interpreting", "FIELD_ORDER"]
 
 
+def check_launch_knobs(num_warps: int | None, max_registers: int | None) -> None:
+    """The kernels' tuning knobs, refused by name before any launch: warps a power of two from 1 to
+    32 (Triton's), a register cap from 16 to 255 per thread (ptxas's range)."""
+    if num_warps is not None and (type(num_warps) is not int or num_warps not in (1, 2, 4, 8, 16, 32)):
+        raise ValueError(f"num_warps={num_warps!r}; use None (the default) or 1, 2, 4, 8, 16 or 32")
+    if max_registers is not None and (type(max_registers) is not int or not 16 <= max_registers <= 255):
+        raise ValueError(f"max_registers={max_registers!r}; use None (no cap) or an int from 16 to 255")
+
+
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (launch planning); 4 elsewhere (the interpreter)."""
     if device.type == "cuda":

@@ -171,12 +171,16 @@ def test_decode_mixed_head_frames(fp_frame, kdevice):
     assert rel_err(plain, torch_decode(q.float(), sk, sv, tiles, tk, tv, cfg, fp_frame=fp_frame, **flags)) > 0.1
 
 
-def test_decode_bad_num_stages(kdevice):
+def test_decode_bad_launch_knobs(kdevice):
     cfg = KVarNConfig(tile=64)
     kv = torch.zeros(1, 2, 4, 64, device=kdevice, dtype=torch.float16)
     q = torch.zeros(1, 2, 1, 64, device=kdevice, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"num_stages=0; use 1"):
         kernels.decode_attention(q, kv, kv, None, kv, kv, cfg, num_stages=0)
+    with pytest.raises(ValueError, match=r"num_warps=6; use None"):
+        kernels.decode_attention(q, kv, kv, None, kv, kv, cfg, num_warps=6)
+    with pytest.raises(ValueError, match=r"max_registers=300; use None"):
+        kernels.decode_attention(q, kv, kv, None, kv, kv, cfg, max_registers=300)
 
 
 def test_decode_head_frame_flags_are_checked(kdevice):

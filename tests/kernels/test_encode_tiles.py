@@ -218,6 +218,10 @@ def test_encode_errors(kdevice, monkeypatch):
         kernels.encode_tiles(small, small.transpose(-1, -2), cfg, rotate=True)
     with pytest.raises(ValueError, match="bad must be an int32"):
         kernels.encode_tiles(kt, kt, cfg, bad=torch.zeros(1, device=kdevice))
+    with pytest.raises(ValueError, match=r"num_warps=3; use None"):
+        kernels.encode_tiles(kt, kt, cfg, num_warps=3)
+    with pytest.raises(ValueError, match=r"max_registers=0; use None"):
+        kernels.encode_tiles(kt, kt, cfg, max_registers=0)
     with pytest.raises(ValueError, match="slot must be a long"):
         kernels.encode_tiles(kt[None, None], kt[None, None], cfg, kernels.encode_tiles(kt[None, None], kt[None, None], cfg),
                              slot=torch.zeros(1, dtype=torch.int32, device=kdevice))
