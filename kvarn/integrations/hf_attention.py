@@ -27,6 +27,8 @@ max_length=...)``. :func:`cache_for` picks the cache the CLI generates with.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..cache import KVarNCache, KVarNLayer
@@ -68,6 +70,9 @@ class FusedKVarNLayer(KVarNLayer):
         # decode_greedy's hook: False, off; else the stream (None: at once) on which the step that
         # completes a tile starts encoding it (see flush_ahead)
         self.ahead_stream = False
+        self.ahead_self = True  # the step that completes this layer's tile starts its encode at its read
+        self.ahead_next = None  # a later layer whose due encode this layer's read starts (decode_greedy)
+        self.ahead_programs = None  # the grid cap of encodes started on a side stream (codec.beside)
         self._read_pending = False  # a steady one-token update's attention read is still to come
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -185,9 +190,14 @@ class FusedKVarNLayer(KVarNLayer):
         Not in the update: there the encode runs beside the layer's decode kernel, a short launch of
         a few waves that it slows by holding SMs (on the H200 at 8K x 1 the fill step was 0.44 ms
         over a plain step that way, 0.18 ms with the encode after the read, beside the projections).
+        With :attr:`ahead_next` set, the read also starts that layer's due encode, and with
+        :attr:`ahead_self` False not its own: a freeze that decode_greedy spreads over two steps.
         """
         if self._read_pending and self.ahead_stream is not False:
-            self.flush_ahead(self.ahead_stream)
+            if self.ahead_self:
+                self.flush_ahead(self.ahead_stream)
+            if self.ahead_next is not None:  # a later layer's tile, due since its update in the step before
+                self.ahead_next.flush_ahead(self.ahead_stream)
         self._read_pending = False
 
     def flush_ahead(self, stream: torch.cuda.Stream | None) -> None:
@@ -197,6 +207,9 @@ class FusedKVarNLayer(KVarNLayer):
         after the attention read of the step whose token completes a tile (:meth:`read_done`), so
         the encode overlaps the rest of that step; the step joins the stream at its end
         (:meth:`joined`), and the next update, which freezes the tile, only advances the lengths.
+        Or called in the step that freezes the tile, before this layer's update, which then waits for
+        the encode (an earlier layer's read, :attr:`ahead_next`; a freeze no fill step prepared).
+        On a side stream the grid is capped at :attr:`ahead_programs` when set.
         See :func:`kvarn.integrations.hf_graph.decode_greedy`.
         """
         n = self.tiles_due()
@@ -210,7 +223,7 @@ class FusedKVarNLayer(KVarNLayer):
         # (and, from read_done, for the read queued after it).
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._encode_due(n)
+            self._encode_due(n, self.ahead_programs)
             event = torch.cuda.Event()
             event.record(stream)
         self._ahead = (self.length, event)
@@ -229,10 +242,13 @@ class FusedKVarNLayer(KVarNLayer):
         """The tiles the next update freezes were encoded by the step before (see flush_ahead)."""
         self._ahead = (self.length, True)
 
-    def _encode_due(self, n: int) -> None:
-        """Encode the ``n`` complete tiles at the start of the tail into the next slots (read on the device)."""
+    def _encode_due(self, n: int, programs: int | None = None) -> None:
+        """Encode the ``n`` complete tiles at the start of the tail into the next slots (read on the
+        device); ``programs``: the encoder's grid cap (TritonTileCodec.beside), None for none."""
         g = self.tile
-        with self.store.codec.deferred():  # no host read in this step (see TritonTileCodec)
+        codec = self.store.codec
+        beside = codec.beside(programs) if programs else contextlib.nullcontext()
+        with codec.deferred(), beside:  # no host read in this step (see TritonTileCodec)
             self.store.encode_into(self.tail_k[:, :, : n * g], self.tail_v[:, :, : n * g], self._dev_len[1, :1].long())
 
     def _flush_device(self) -> None:

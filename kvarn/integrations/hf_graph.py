@@ -19,7 +19,13 @@ so after each replay the runner advances the host lengths of every fused layer.
 With ``flush_ahead`` (the default) the encode starts in the ``fill`` step, on a side CUDA stream,
 as soon as each layer's attention has read the token that completes its tile
 (:meth:`~kvarn.integrations.hf_attention.FusedKVarNLayer.read_done`): it overlaps the rest of
-that step and is joined at its end, and the ``flush`` step only advances the lengths. The stored
+that step and is joined at its end, and the ``flush`` step only advances the lengths. Where one
+layer's encode fills the GPU by itself (``_encodes_fill_the_gpu``: at batch 16 an encode has a
+program for every SM of an H200), hiding it is not possible and the fill step would pay for the
+whole freeze, so only the first 3/8 of the layers start theirs there; the others start in the
+``flush`` step, on the side stream, each after the read of a layer that many layers earlier, and
+each of their updates waits for its own. These launches are given part of the SMs (``_beside_programs``:
+the encoder's grid capped, the same bits), so they share the GPU with the step's kernels. The stored
 tiles are the same bits, written into the same slots; the decode reads a tile only from the step
 that freezes it, as without the side stream. (A freeze not prepared by a fill step, e.g. after the
 host plan, is ``flush_inline``: its encodes start at the step's beginning on the side stream and
@@ -77,6 +83,35 @@ def _check_cache(cache) -> str:
                      f"(StaticCache) caches, got layers {kinds}")
 
 
+def _encodes_fill_the_gpu(layers: list[FusedKVarNLayer]) -> bool:
+    """Whether one layer's freeze fills the GPU by itself: its encode launch (a K and a V program per
+    row and KV head) has a program for every SM. Such an encode cannot hide beside the step's other
+    work, so it costs the step its full time (see :func:`decode_greedy`)."""
+    if not layers or layers[0].device.type != "cuda":
+        return False
+    from ..kernels.layout import num_sms
+
+    rows, heads = layers[0].tail_k.shape[:2]
+    return 2 * rows * heads >= num_sms(layers[0].device)
+
+
+def _beside_programs(device: torch.device) -> int:
+    """The encoder's programs for K and for V when its launches run beside the decode step on a
+    spread freeze: a program on half the SMs, the other half left to the step's kernels."""
+    from ..kernels.layout import num_sms
+
+    return max(1, num_sms(device) // _BESIDE)
+
+
+_BESIDE = 4  # a fraction of the SMs per K and per V (BENCHMARKS.md: the freeze step)
+
+
+def _early_layers(n: int) -> int:
+    """How many of ``n`` layers start their encodes in the fill step of a spread freeze: 3/8 (12 of
+    32), which evens the two steps' excess on the H200 (BENCHMARKS.md: the freeze step); at least one."""
+    return max(1, (3 * n + 4) // 8)
+
+
 def _seq_length(cache) -> int:
     n = cache.get_seq_length()
     return int(n)  # StaticCache keeps it on the device: one read before decoding starts
@@ -85,7 +120,7 @@ def _seq_length(cache) -> int:
 class _Graphs:
     """The captured steps by kind, and the host-state bookkeeping around capture and replay."""
 
-    def __init__(self, cache, step: Callable[[], None], mode: str, warmup: int, ahead: bool):
+    def __init__(self, cache, step: Callable[[str], None], mode: str, warmup: int, ahead: bool):
         self.cache, self.step, self.mode, self.warmup = cache, step, mode, warmup
         self.ahead = ahead  # fill steps start their tiles' encodes (decode_greedy's flush_ahead)
         self.fused = _fused_layers(cache)
@@ -127,10 +162,11 @@ class _Graphs:
 
     def _run_step(self, kind: str) -> None:
         """The step's Python (eagerly, or recorded), told what the host knows of its kind."""
-        if kind == "flush":  # the fill step before encoded these tiles and joined its side stream
+        if kind == "flush":  # the fill step before encoded these layers' tiles and joined its side stream
             for layer in self.fused:
-                layer.encoded_ahead()
-        self.step()
+                if layer.ahead_self:
+                    layer.encoded_ahead()
+        self.step(kind)
 
     def _capture(self, kind: str):
         before = self._host_state()
@@ -216,9 +252,10 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
     ahead = _fused_layers(cache) if flush_ahead else []
     flush_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and ahead else None
 
-    def step() -> None:
-        for layer in ahead:  # a freeze no fill step prepared: every layer's encode starts now
-            layer.flush_ahead(flush_stream)
+    def step(kind: str) -> None:
+        if kind != "flush":  # a freeze no fill step prepared: every layer's encode starts now
+            for layer in ahead:
+                layer.flush_ahead(flush_stream)
         step_logits = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
                             logits_to_keep=1).logits
         ids.copy_(step_logits[:, -1:].argmax(-1))
@@ -231,8 +268,21 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
             layer.joined()
 
     graphs = _Graphs(cache, step, capture, warmup, ahead=bool(ahead))
-    for layer in ahead:
+    # Where the encodes fill the GPU (batch 16 and up on an H200), the fill step would carry the
+    # whole freeze. Spread: the first `early` layers start theirs there, each after its read; the
+    # others in the flush step, layer early + i's after layer i's read (its own update, `early`
+    # layers later, waits for it), so the two steps share the freeze, staggered along the layers.
+    # The fill step gets the smaller share: it also reads the longest fp16 tail of the tile's
+    # steps (a full tile less a token), the flush step the shortest. The launches are capped
+    # (_beside_programs) to share the SMs with the step's kernels. The tiles and the steps that
+    # read them are the same.
+    spread = _encodes_fill_the_gpu(ahead)
+    early = _early_layers(len(ahead)) if spread else len(ahead)
+    for i, layer in enumerate(ahead):
         layer.ahead_stream = flush_stream
+        layer.ahead_self = i < early
+        layer.ahead_next = ahead[i + early] if spread and i + early < len(ahead) else None
+        layer.ahead_programs = _beside_programs(layer.device) if spread else None
     try:
         for i in range(1, max_new_tokens):
             graphs.run()
@@ -241,5 +291,5 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
                 on_step(i)
     finally:
         for layer in ahead:
-            layer.ahead_stream = False
+            layer.ahead_stream, layer.ahead_self, layer.ahead_next, layer.ahead_programs = False, True, None, None
     return out

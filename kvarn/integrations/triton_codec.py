@@ -34,6 +34,7 @@ class TritonTileCodec(TileCodec):
         super().__init__(*args, **kwargs)
         self._defer = False
         self._bad = None  # int32 [1] on the device, set by a deferred encode that stored a non-finite scale
+        self._programs = None  # the encoder's grid cap inside beside()
 
     @contextlib.contextmanager
     def deferred(self):
@@ -43,6 +44,18 @@ class TritonTileCodec(TileCodec):
             yield
         finally:
             self._defer = False
+
+    @contextlib.contextmanager
+    def beside(self, programs: int):
+        """Inside: each launch has at most ``programs`` programs for K and for V (each encodes every
+        ``programs``-th tile; the same bits). For encodes that run on a side stream beside the decode
+        step: a launch with a program per tile takes every SM until it is done, one with fewer
+        shares the SMs with the step's kernels (BENCHMARKS.md, the freeze step)."""
+        self._programs = programs
+        try:
+            yield
+        finally:
+            self._programs = None
 
     def raise_deferred(self) -> None:
         """ValueError if a deferred check recorded a non-finite scale (reads the device once)."""
@@ -69,7 +82,7 @@ class TritonTileCodec(TileCodec):
         if deferred and self._bad is None:
             self._bad = torch.zeros(1, dtype=torch.int32, device=keys.device)
         tiles = kernels.encode_tiles(k, v, c, out, normalize=norm, rotate=rotate, slot=slot,
-                                     bad=self._bad if deferred else None)
+                                     bad=self._bad if deferred else None, programs=self._programs)
         if not deferred:
             check_encoded(tiles, keys, values)
         return tiles

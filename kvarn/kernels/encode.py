@@ -247,60 +247,63 @@ def _encode_tiles_kernel(
     kz_ptr, kz_s0, kz_s1, kz_s2, kr_ptr, kr_s0, kr_s1, kr_s2,
     vc_ptr, vc_s0, vc_s1, vc_s2, vcs_ptr, vcs_s0, vcs_s1, vcs_s2,
     vs_ptr, vs_s0, vs_s1, vs_s2, vz_ptr, vz_s0, vz_s1, vz_s2,
-    N1, N2, flag_ptr, slot_ptr, bad_ptr, inv_sqrt_d,
+    N1, N2, n_tiles, flag_ptr, slot_ptr, bad_ptr, inv_sqrt_d,
     k_clo, k_chi, v_clo, v_chi,
     D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     HAS_NORM: tl.constexpr, ROTATE: tl.constexpr, HAS_ROT: tl.constexpr, HAS_SLOT: tl.constexpr,
     CHECK: tl.constexpr, KQ: tl.constexpr, KLO0: tl.constexpr, KLO1: tl.constexpr, KHI0: tl.constexpr,
     KHI1: tl.constexpr, VQ: tl.constexpr, VLO0: tl.constexpr, VLO1: tl.constexpr, VHI0: tl.constexpr,
-    VHI1: tl.constexpr, ASM: tl.constexpr,
+    VHI1: tl.constexpr, ASM: tl.constexpr, PERSIST: tl.constexpr,
 ):
-    tile = tl.program_id(0)
     kv = tl.program_id(1)  # 0: the K tile, 1: the V tile
-    if HAS_NORM:  # flags [tiles, 4] int8: K, V normalized; K, V rotated
-        norm = tl.load(flag_ptr + tile * 4 + kv) != 0
-    else:
-        norm = True
-    if HAS_ROT:
-        rot = tl.load(flag_ptr + tile * 4 + 2 + kv) != 0
-    else:
-        rot = True
-    i2 = tile % N2
-    i1 = (tile // N2) % N1
-    i0 = tile // (N1 * N2)
-    o2 = i2
-    if HAS_SLOT:  # the fields have a capacity axis: tile i2 goes to slot + i2 (read on the device)
-        o2 = i2 + tl.load(slot_ptr).to(tl.int32)
-    if kv == 0:
-        off = _field_offset(i0, i1, i2, k_s0, k_s1, k_s2)
-        if ROTATE:  # model-frame keys: rotate each token (rows of [G, D]), then the tile is [D, G]
-            xt = _load_tile(k_ptr, off, k_sc, k_sr, G, D)
-            if rot:
-                xt = _rotate(xt, D, inv_sqrt_d)
-            xk = tl.trans(xt)
+    # Each program encodes tiles pid, pid + programs, ... under a capped grid (PERSIST), else one:
+    # a loop of one known trip, which the compiler removes (a loop costs registers at a cap of 128).
+    first = tl.program_id(0)
+    for tile in range(first, n_tiles if PERSIST else first + 1, tl.num_programs(0) if PERSIST else 1):
+        if HAS_NORM:  # flags [tiles, 4] int8: K, V normalized; K, V rotated
+            norm = tl.load(flag_ptr + tile * 4 + kv) != 0
         else:
-            xk = _load_tile(k_ptr, off, k_sr, k_sc, D, G)
-        _encode_one(
-            xk,
-            kc_ptr, _field_offset(i0, i1, o2, kc_s0, kc_s1, kc_s2),
-            ks_ptr, _field_offset(i0, i1, o2, ks_s0, ks_s1, ks_s2),
-            kz_ptr, _field_offset(i0, i1, o2, kz_s0, kz_s1, kz_s2),
-            kr_ptr, _field_offset(i0, i1, o2, kr_s0, kr_s1, kr_s2),
-            bad_ptr, norm, D, G, KB, ITERS, CHECK, KQ, KLO0, KLO1, KHI0, KHI1, k_clo, k_chi, ASM,
-        )
-    else:
-        xv = _load_tile(v_ptr, _field_offset(i0, i1, i2, v_s0, v_s1, v_s2), v_sr, v_sc, G, D)
-        if ROTATE:
-            if rot:
-                xv = _rotate(xv, D, inv_sqrt_d)
-        _encode_one(
-            xv,
-            vc_ptr, _field_offset(i0, i1, o2, vc_s0, vc_s1, vc_s2),
-            vs_ptr, _field_offset(i0, i1, o2, vs_s0, vs_s1, vs_s2),
-            vz_ptr, _field_offset(i0, i1, o2, vz_s0, vz_s1, vz_s2),
-            vcs_ptr, _field_offset(i0, i1, o2, vcs_s0, vcs_s1, vcs_s2),
-            bad_ptr, norm, G, D, VB, ITERS, CHECK, VQ, VLO0, VLO1, VHI0, VHI1, v_clo, v_chi, ASM,
-        )
+            norm = True
+        if HAS_ROT:
+            rot = tl.load(flag_ptr + tile * 4 + 2 + kv) != 0
+        else:
+            rot = True
+        i2 = tile % N2
+        i1 = (tile // N2) % N1
+        i0 = tile // (N1 * N2)
+        o2 = i2
+        if HAS_SLOT:  # the fields have a capacity axis: tile i2 goes to slot + i2 (read on the device)
+            o2 = i2 + tl.load(slot_ptr).to(tl.int32)
+        if kv == 0:
+            off = _field_offset(i0, i1, i2, k_s0, k_s1, k_s2)
+            if ROTATE:  # model-frame keys: rotate each token (rows of [G, D]), then the tile is [D, G]
+                xt = _load_tile(k_ptr, off, k_sc, k_sr, G, D)
+                if rot:
+                    xt = _rotate(xt, D, inv_sqrt_d)
+                xk = tl.trans(xt)
+            else:
+                xk = _load_tile(k_ptr, off, k_sr, k_sc, D, G)
+            _encode_one(
+                xk,
+                kc_ptr, _field_offset(i0, i1, o2, kc_s0, kc_s1, kc_s2),
+                ks_ptr, _field_offset(i0, i1, o2, ks_s0, ks_s1, ks_s2),
+                kz_ptr, _field_offset(i0, i1, o2, kz_s0, kz_s1, kz_s2),
+                kr_ptr, _field_offset(i0, i1, o2, kr_s0, kr_s1, kr_s2),
+                bad_ptr, norm, D, G, KB, ITERS, CHECK, KQ, KLO0, KLO1, KHI0, KHI1, k_clo, k_chi, ASM,
+            )
+        else:
+            xv = _load_tile(v_ptr, _field_offset(i0, i1, i2, v_s0, v_s1, v_s2), v_sr, v_sc, G, D)
+            if ROTATE:
+                if rot:
+                    xv = _rotate(xv, D, inv_sqrt_d)
+            _encode_one(
+                xv,
+                vc_ptr, _field_offset(i0, i1, o2, vc_s0, vc_s1, vc_s2),
+                vs_ptr, _field_offset(i0, i1, o2, vs_s0, vs_s1, vs_s2),
+                vz_ptr, _field_offset(i0, i1, o2, vz_s0, vz_s1, vz_s2),
+                vcs_ptr, _field_offset(i0, i1, o2, vcs_s0, vcs_s1, vcs_s2),
+                bad_ptr, norm, G, D, VB, ITERS, CHECK, VQ, VLO0, VLO1, VHI0, VHI1, v_clo, v_chi, ASM,
+            )
 
 
 def _quantile_taps(q: float, n: int) -> tuple[bool, tuple]:
@@ -365,6 +368,7 @@ def encode_tiles(
     *, normalize: tuple[torch.Tensor, torch.Tensor] | None = None,
     rotate: bool | tuple[torch.Tensor, torch.Tensor] | None = None, slot: torch.Tensor | None = None,
     bad: torch.Tensor | None = None, num_warps: int | None = None, max_registers: int | None = None,
+    programs: int | None = None,
 ) -> TileFields:
     """Quantize tiles in one launch. k_tiles: ``[..., D, G]``, v_tiles: ``[..., G, D]``.
 
@@ -386,7 +390,10 @@ def encode_tiles(
     ``num_warps``, ``max_registers``: tuning knobs (default: see ``_launch_options``). The warps set
     the reduction order, so results can differ within the twin's tolerance (module docstring: a
     tied iterate, a code on a rounding boundary); the register cap moves values to local memory,
-    not the arithmetic.
+    not the arithmetic. ``programs``: at most this many programs each for K and V, each encoding
+    every ``programs``-th tile (default: one program a tile; the launch options follow the
+    programs): the same bits, in a launch that leaves SMs to the kernels it runs beside (the
+    decode step's encodes on a side stream, see :meth:`~kvarn.integrations.triton_codec.TritonTileCodec.beside`).
     """
     if not isinstance(config, KVarNConfig):
         raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")
@@ -418,6 +425,8 @@ def encode_tiles(
             out = empty_fields(lead, config, d, dev)
         check_fields(out, lead, config, d)
     check_launch_knobs(num_warps, max_registers)
+    if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
+        raise ValueError(f"programs must be an int >= 1 (programs per K and per V), got {programs!r}")
     if bad is not None and (not isinstance(bad, torch.Tensor) or bad.dtype != torch.int32 or bad.numel() != 1):
         raise ValueError(f"bad must be an int32 tensor of one element, got {bad!r}")
     n_tiles = 1
@@ -447,16 +456,18 @@ def encode_tiles(
         args += [getattr(out, name), *strides(name, inner)]
     kq, vq = config.quantiles
     kt, vt = _quantile_taps(kq, g), _quantile_taps(vq, d)  # K rows run over G tokens, V rows over D channels
-    _encode_tiles_kernel[(n_tiles, 2)](
+    grid = min(n_tiles, programs or n_tiles)
+    opts = _options(_launch_options(grid, d * g, dev, kt[0] or vt[0]), num_warps, max_registers)
+    _encode_tiles_kernel[(grid, 2)](
         k_tiles, *_lead3(k_tiles, n_lead), k_tiles.stride(-2), k_tiles.stride(-1),
         v_tiles, *_lead3(v_tiles, n_lead), v_tiles.stride(-2), v_tiles.stride(-1),
-        *args, sizes[1], sizes[2], flag_t, slot if slot is not None else k_tiles,
+        *args, sizes[1], sizes[2], n_tiles, flag_t, slot if slot is not None else k_tiles,
         bad if bad is not None else k_tiles, 1.0 / math.sqrt(d), *kt[1][4:], *vt[1][4:],
         D=d, G=g, KB=config.key_bits, VB=config.value_bits, ITERS=config.sinkhorn_iters,
         HAS_NORM=normalize is not None, ROTATE=rotate is not None, HAS_ROT=isinstance(rotate, tuple),
         HAS_SLOT=slot is not None, CHECK=bad is not None,
         KQ=kt[0], KLO0=kt[1][0], KLO1=kt[1][1], KHI0=kt[1][2], KHI1=kt[1][3],
         VQ=vt[0], VLO0=vt[1][0], VLO1=vt[1][1], VHI0=vt[1][2], VHI1=vt[1][3], ASM=not interpreting(),
-        **_options(_launch_options(n_tiles, d * g, dev, kt[0] or vt[0]), num_warps, max_registers),
+        PERSIST=grid < n_tiles, **opts,
     )
     return out

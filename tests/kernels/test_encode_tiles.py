@@ -188,6 +188,23 @@ def test_encode_writes_at_a_device_slot(kdevice):
         kernels.encode_tiles(kt16, vt16, cfg, rotate=True, slot=slot)  # no fields to index into
 
 
+def test_encode_capped_grid_encodes_every_tile_the_same(kdevice):
+    """programs: fewer programs than tiles, each looping over every programs-th tile (5 programs
+    for 12 tiles: two take three, at a device slot too), give the same bits as one program a tile."""
+    from kvarn.kernels.layout import empty_fields
+
+    cfg = KVarNConfig(key_bits=4, value_bits=2, tile=64, sinkhorn_iters=2)
+    k, v = synthetic_kv(2, 2, 192, 64, kdevice, seed=5)
+    _, _, kt16, vt16 = _model_frame(k, v, cfg)  # [2, 2, 3, ...]: 12 tiles of K and of V
+    ref = kernels.encode_tiles(kt16, vt16, cfg, rotate=True)
+    one = kernels.encode_tiles(kt16, vt16, cfg, rotate=True, programs=1)
+    store = empty_fields((2, 2, 4), cfg, 64, kdevice)
+    kernels.encode_tiles(kt16, vt16, cfg, store, rotate=True, slot=torch.tensor([1], device=kdevice), programs=5)
+    for name in FIELD_ORDER:
+        assert torch.equal(getattr(one, name), getattr(ref, name)), name
+        assert torch.equal(getattr(store, name)[:, :, 1:], getattr(ref, name)), name
+
+
 def test_encode_flags_nonfinite_scales(kdevice):
     """bad: 1 when a stored fp16 scale overflows, untouched (0) otherwise; no host read needed."""
     cfg = KVarNConfig(tile=64, sinkhorn_iters=2)
@@ -222,6 +239,8 @@ def test_encode_errors(kdevice, monkeypatch):
         kernels.encode_tiles(kt, kt, cfg, num_warps=3)
     with pytest.raises(ValueError, match=r"max_registers=0; use None"):
         kernels.encode_tiles(kt, kt, cfg, max_registers=0)
+    with pytest.raises(ValueError, match=r"programs must be an int >= 1 \(programs per K and per V\), got 0"):
+        kernels.encode_tiles(kt, kt, cfg, programs=0)
     with pytest.raises(ValueError, match="slot must be a long"):
         kernels.encode_tiles(kt[None, None], kt[None, None], cfg, kernels.encode_tiles(kt[None, None], kt[None, None], cfg),
                              slot=torch.zeros(1, dtype=torch.int32, device=kdevice))
