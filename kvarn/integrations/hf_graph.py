@@ -19,14 +19,12 @@ so after each replay the runner advances the host lengths of every fused layer.
 With ``flush_ahead`` (the default) the encode starts in the ``fill`` step, on a side CUDA stream,
 as soon as each layer's attention has read the token that completes its tile
 (:meth:`~kvarn.integrations.hf_attention.FusedKVarNLayer.read_done`): it overlaps the rest of
-that step and is joined at its end, and the ``flush`` step only advances the lengths. Where one
-layer's encode fills the GPU by itself (``_encodes_fill_the_gpu``: at batch 16 an encode has a
-program for every SM of an H200), hiding it is not possible and the fill step would pay for the
-whole freeze, so only the first 3/8 of the layers start theirs there; the others start in the
+that step and is joined at its end; the ``flush`` step only advances the lengths of those layers.
+That is done by the first 3/8 of the layers (``_early_layers``); the others start theirs in the
 ``flush`` step, on the side stream, each after the read of a layer that many layers earlier, and
-each of their updates waits for its own. These launches are given part of the SMs (``_beside_programs``:
-the encoder's grid capped, the same bits), so they share the GPU with the step's kernels. The stored
-tiles are the same bits, written into the same slots; the decode reads a tile only from the step
+each of their updates waits for its own, so the two steps share the freeze. The launches are given
+part of the SMs (``_beside_programs``: the encoder's grid capped, the same bits), so they share the
+GPU with the step's kernels. The stored tiles are the same bits, written into the same slots; the decode reads a tile only from the step
 that freezes it, as without the side stream. (A freeze not prepared by a fill step, e.g. after the
 host plan, is ``flush_inline``: its encodes start at the step's beginning on the side stream and
 each layer's update waits for its own.)
@@ -83,21 +81,10 @@ def _check_cache(cache) -> str:
                      f"(StaticCache) caches, got layers {kinds}")
 
 
-def _encodes_fill_the_gpu(layers: list[FusedKVarNLayer]) -> bool:
-    """Whether one layer's freeze fills the GPU by itself: its encode launch (a K and a V program per
-    row and KV head) has a program for every SM. Such an encode cannot hide beside the step's other
-    work, so it costs the step its full time (see :func:`decode_greedy`)."""
-    if not layers or layers[0].device.type != "cuda":
-        return False
-    from ..kernels.layout import num_sms
-
-    rows, heads = layers[0].tail_k.shape[:2]
-    return 2 * rows * heads >= num_sms(layers[0].device)
-
-
 def _beside_programs(device: torch.device) -> int:
-    """The encoder's programs for K and for V when its launches run beside the decode step on a
-    spread freeze: a program on half the SMs, the other half left to the step's kernels."""
+    """The encoder's programs for K and for V when its launches run beside the decode step
+    (flush_ahead): a program on half the SMs, the other half left to the step's kernels (at batch
+    16 on the H200, 33 of 128 tiles a layer; smaller launches are not capped)."""
     from ..kernels.layout import num_sms
 
     return max(1, num_sms(device) // _BESIDE)
@@ -107,7 +94,7 @@ _BESIDE = 4  # a fraction of the SMs per K and per V (BENCHMARKS.md: the freeze 
 
 
 def _early_layers(n: int) -> int:
-    """How many of ``n`` layers start their encodes in the fill step of a spread freeze: 3/8 (12 of
+    """How many of ``n`` layers start their encodes in the fill step (flush_ahead): 3/8 (12 of
     32), which evens the two steps' excess on the H200 (BENCHMARKS.md: the freeze step); at least one."""
     return max(1, (3 * n + 4) // 8)
 
@@ -268,21 +255,20 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
             layer.joined()
 
     graphs = _Graphs(cache, step, capture, warmup, ahead=bool(ahead))
-    # Where the encodes fill the GPU (batch 16 and up on an H200), the fill step would carry the
-    # whole freeze. Spread: the first `early` layers start theirs there, each after its read; the
-    # others in the flush step, layer early + i's after layer i's read (its own update, `early`
-    # layers later, waits for it), so the two steps share the freeze, staggered along the layers.
-    # The fill step gets the smaller share: it also reads the longest fp16 tail of the tile's
-    # steps (a full tile less a token), the flush step the shortest. The launches are capped
+    # The freeze is spread over two steps: the first `early` layers start their encodes in the fill
+    # step, each after its read; the others in the flush step, layer early + i's after layer i's
+    # read (its own update, `early` layers later, waits for it), staggered along the layers. In
+    # one step a batch-16 freeze (a program for every SM in each layer's encode) would cost that
+    # step 16%. The fill step gets the smaller share: it also reads the longest fp16 tail of the
+    # tile's steps (a full tile less a token), the flush step the shortest. The launches are capped
     # (_beside_programs) to share the SMs with the step's kernels. The tiles and the steps that
     # read them are the same.
-    spread = _encodes_fill_the_gpu(ahead)
-    early = _early_layers(len(ahead)) if spread else len(ahead)
+    early = _early_layers(len(ahead))
     for i, layer in enumerate(ahead):
         layer.ahead_stream = flush_stream
         layer.ahead_self = i < early
-        layer.ahead_next = ahead[i + early] if spread and i + early < len(ahead) else None
-        layer.ahead_programs = _beside_programs(layer.device) if spread else None
+        layer.ahead_next = ahead[i + early] if i + early < len(ahead) else None
+        layer.ahead_programs = _beside_programs(layer.device) if flush_stream is not None else None
     try:
         for i in range(1, max_new_tokens):
             graphs.run()

@@ -43,7 +43,7 @@ def _fused(model, **kw):
     return hf_attention.fused_cache(model, PRESET["preset"], sinkhorn_iters=PRESET["sinkhorn_iters"], **kw)
 
 
-def test_decode_loop_matches_generate_and_reference(fused_model, kdevice, monkeypatch):
+def test_decode_loop_matches_generate_and_reference(fused_model, kdevice):
     model = fused_model
     ids = torch.randint(0, 97, (2, PROMPT), device=kdevice)
     kw = dict(max_new_tokens=NEW, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0,
@@ -56,11 +56,9 @@ def test_decode_loop_matches_generate_and_reference(fused_model, kdevice, monkey
     gen_cache = _fused(model, max_length=PROMPT + NEW)
     fused = model.generate(ids, past_key_values=gen_cache, **kw)
     runs = {}
-    for mode, spread in (("none", False), ("simulate", False), ("spread", True)):
-        # spread: the freeze split between the fill and the flush step, as where encodes fill the GPU
-        monkeypatch.setattr(hf_graph, "_encodes_fill_the_gpu", lambda layers: spread)
+    for mode in ("none", "simulate"):
         cache = _fused(model, max_length=PROMPT + NEW)
-        runs[mode] = hf_graph.decode_greedy(model, cache, ids, NEW, capture="simulate" if spread else mode)
+        runs[mode] = hf_graph.decode_greedy(model, cache, ids, NEW, capture=mode)
         layer = cache.layers[0]
         assert layer.store.counts == [1, 1]  # frozen during decoding, by the captured flush step
         assert layer.tail_len == [PROMPT + NEW - 1 - 2 * 64] * 2
@@ -73,7 +71,6 @@ def test_decode_loop_matches_generate_and_reference(fused_model, kdevice, monkey
     # The loop runs the same kernels as generate over the same state: identical tokens.
     assert torch.equal(runs["none"], fused.sequences[:, PROMPT:])
     assert torch.equal(runs["simulate"], fused.sequences[:, PROMPT:])
-    assert torch.equal(runs["spread"], fused.sequences[:, PROMPT:])
     # Against the cache's read path: the same tokens (fp16 on a GPU may split a near tie late, so
     # at least the first three) and close logits up to any divergence.
     same = (fused.sequences[:, PROMPT:] == ref.sequences[:, PROMPT:]).all(0).long().cumprod(0).sum()
@@ -82,18 +79,14 @@ def test_decode_loop_matches_generate_and_reference(fused_model, kdevice, monkey
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("spread", [False, True])
-def test_decode_loop_encodes_in_the_step_that_completes_the_tile(fused_model, kdevice, monkeypatch, spread):
-    """decode_greedy starts a tile's encode in the step that writes its last token (flush_ahead,
-    right after the layer's attention read), while the tile is still unfrozen; generate encodes in
-    the next update. Where one layer's encode fills the GPU (``spread``, here over 6 layers), the
-    first 2 start theirs so and the others in the next step, each at the read of the layer 2 before
-    it (the later ones at reads of layers that are late themselves), before its own update."""
-    model = fused_model
-    if spread:
-        model = _tiny_llama(kdevice, torch.float16 if HAS_CUDA else torch.float32, layers=6)
-        hf_attention.use_fused(model)
-    monkeypatch.setattr(hf_graph, "_encodes_fill_the_gpu", lambda layers: spread)
+def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkeypatch):
+    """decode_greedy spreads a freeze over two steps: of 6 layers, the first 2 start their encodes
+    in the step that writes the tile's last token (flush_ahead, right after the layer's attention
+    read), while the tile is still unfrozen, and the others in the next step, each at the read of
+    the layer 2 before it (the later ones at reads of layers that are late themselves), before its
+    own update; generate encodes in the next update."""
+    model = _tiny_llama(kdevice, torch.float16 if HAS_CUDA else torch.float32, layers=6)
+    hf_attention.use_fused(model)
     ids = torch.randint(0, 97, (1, PROMPT), device=kdevice)
     calls, step = [], [0]
     encode_due = hf_attention.FusedKVarNLayer._encode_due
@@ -111,17 +104,14 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(fused_model, kd
     cache = _fused(model, max_length=PROMPT + NEW)
     hf_graph.decode_greedy(model, cache, ids, NEW, capture="none", on_step=lambda i: step.__setitem__(0, i))
     g = cache.layers[0].tile
-    # One tile completed during decoding: every layer began its encode right after reading the
-    # tile's last token, in the step after token s (tail exactly one tile, not yet counted as
-    # stored), or, spread, the first 2 so and the others one step later, layer i at layer i - 2's
-    # read (still before the tile is counted as stored, so before the layer's own update).
+    # One tile completed during decoding: layers 0 and 1 began their encodes right after reading
+    # the tile's last token, in the step after token s (tail exactly one tile, not yet counted as
+    # stored); the others one step later, layer i at layer i - 2's read (still before the tile is
+    # counted as stored, so before the layer's own update).
     n = len(cache.layers)
     s = calls[0][2]
-    if spread:
-        assert n == 6 and hf_graph._early_layers(n) == 2
-        expect = [(s, i, i) for i in range(2)] + [(s + 1, i - 2, i) for i in range(2, n)]
-    else:
-        expect = [(s, i, i) for i in range(n)]
+    assert n == 6 and hf_graph._early_layers(n) == 2
+    expect = [(s, i, i) for i in range(2)] + [(s + 1, i - 2, i) for i in range(2, n)]
     assert calls == [("flush_ahead", "read_done", *e, g, 0) for e in expect]
     assert cache.layers[0].store.counts == [1] and cache.layers[0]._ahead is None
     calls.clear()

@@ -150,20 +150,16 @@ def test_captured_static_cache_decode_matches_eager(model):
     assert_same_decoding(*out["cuda"], *out["none"])
 
 
-@pytest.mark.parametrize("spread", [False, True])
 @pytest.mark.parametrize("mode", ["none", "cuda"])
-def test_flush_ahead_waits_on_both_streams(model, mode, spread, monkeypatch):
+def test_flush_ahead_waits_on_both_streams(model, mode, monkeypatch):
     """A tile's encode runs on a side stream, started by the update that completes it
     (flush_ahead). Both waits are stressed with GPU spins: on the step's stream before the encode
     starts (if the side stream did not wait for it, it would encode the tile before its last
     token is written) and on the side stream before each encode (if the step did not join the
     side stream at its end, the next step's token would overwrite the tail while it is encoded).
-    Either race changes the stored tiles. ``spread``: half the layers start their encodes in the
-    flush step instead, at earlier layers' reads (as where one layer's encode fills the GPU), and
-    each of their updates must wait for its own."""
+    Either race changes the stored tiles. The later layers start their encodes in the flush step,
+    at earlier layers' reads, so each of their updates must wait for its own as well."""
     from kvarn.integrations import hf_attention, hf_graph
-
-    monkeypatch.setattr(hf_graph, "_encodes_fill_the_gpu", lambda layers: spread)
 
     spin = 20_000_000  # GPU cycles, about 10 ms
     encode_due, ahead = hf_attention.FusedKVarNLayer._encode_due, hf_attention.FusedKVarNLayer.flush_ahead
