@@ -20,7 +20,7 @@ With ``flush_ahead`` (the default) the encode starts in the ``fill`` step, on a 
 as soon as each layer's attention has read the token that completes its tile
 (:meth:`~kvarn.integrations.hf_attention.FusedKVarNLayer.read_done`): it overlaps the rest of
 that step and is joined at its end; the ``flush`` step only advances the lengths of those layers.
-That is done by the first 3/8 of the layers (``_early_layers``); the others start theirs in the
+That is done by the first 3/8 or 5/8 of the layers (``_early_layers``); the others start theirs in the
 ``flush`` step, on the side stream, each after the read of a layer that many layers earlier, and
 each of their updates waits for its own, so the two steps share the freeze. The launches are given
 part of the SMs (``_beside_programs``: the encoder's grid capped, the same bits), so they share the
@@ -93,10 +93,24 @@ def _beside_programs(device: torch.device) -> int:
 _BESIDE = 4  # a fraction of the SMs per K and per V (BENCHMARKS.md: the freeze step)
 
 
-def _early_layers(n: int) -> int:
-    """How many of ``n`` layers start their encodes in the fill step (flush_ahead): 3/8 (12 of
-    32), which evens the two steps' excess on the H200 (BENCHMARKS.md: the freeze step); at least one."""
-    return max(1, (3 * n + 4) // 8)
+def _encodes_fill_the_gpu(layers: list[FusedKVarNLayer]) -> bool:
+    """Whether one layer's encode launch (a K and a V program per row and KV head) has a program
+    for every SM (batch 16 and up on an H200)."""
+    if not layers or layers[0].device.type != "cuda":
+        return False
+    from ..kernels.layout import num_sms
+
+    rows, heads = layers[0].tail_k.shape[:2]
+    return 2 * rows * heads >= num_sms(layers[0].device)
+
+
+def _early_layers(layers: list[FusedKVarNLayer]) -> int:
+    """How many of the layers start their encodes in the fill step (flush_ahead), the share that
+    evens the two steps' excess on the H200 (BENCHMARKS.md: the freeze step); at least one. 3/8 (12
+    of 32) where the encodes fill the GPU: then the fill step's longer fp16 tail read costs more
+    than the flush step's bookkeeping; 5/8 (20 of 32) below that, where it is the other way round."""
+    n = len(layers)
+    return max(1, ((3 if _encodes_fill_the_gpu(layers) else 5) * n + 4) // 8)
 
 
 def _seq_length(cache) -> int:
@@ -259,11 +273,10 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
     # step, each after its read; the others in the flush step, layer early + i's after layer i's
     # read (its own update, `early` layers later, waits for it), staggered along the layers. In
     # one step a batch-16 freeze (a program for every SM in each layer's encode) would cost that
-    # step 16%. The fill step gets the smaller share: it also reads the longest fp16 tail of the
-    # tile's steps (a full tile less a token), the flush step the shortest. The launches are capped
+    # step 16%. The shares even out the two steps (_early_layers). The launches are capped
     # (_beside_programs) to share the SMs with the step's kernels. The tiles and the steps that
     # read them are the same.
-    early = _early_layers(len(ahead))
+    early = _early_layers(ahead)
     for i, layer in enumerate(ahead):
         layer.ahead_stream = flush_stream
         layer.ahead_self = i < early

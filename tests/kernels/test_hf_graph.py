@@ -79,14 +79,17 @@ def test_decode_loop_matches_generate_and_reference(fused_model, kdevice):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkeypatch):
-    """decode_greedy spreads a freeze over two steps: of 6 layers, the first 2 start their encodes
+@pytest.mark.parametrize("fills", [False, True])
+def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkeypatch, fills):
+    """decode_greedy spreads a freeze over two steps: of 6 layers, the first e start their encodes
     in the step that writes the tile's last token (flush_ahead, right after the layer's attention
     read), while the tile is still unfrozen, and the others in the next step, each at the read of
-    the layer 2 before it (the later ones at reads of layers that are late themselves), before its
-    own update; generate encodes in the next update."""
+    the layer e before it, before its own update; generate encodes in the next update. e = 4
+    (5/8), or 2 (3/8) where one layer's encode fills the GPU (``fills``): there the later layers
+    are started at reads of layers that are late themselves."""
     model = _tiny_llama(kdevice, torch.float16 if HAS_CUDA else torch.float32, layers=6)
     hf_attention.use_fused(model)
+    monkeypatch.setattr(hf_graph, "_encodes_fill_the_gpu", lambda layers: fills)
     ids = torch.randint(0, 97, (1, PROMPT), device=kdevice)
     calls, step = [], [0]
     encode_due = hf_attention.FusedKVarNLayer._encode_due
@@ -104,14 +107,14 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
     cache = _fused(model, max_length=PROMPT + NEW)
     hf_graph.decode_greedy(model, cache, ids, NEW, capture="none", on_step=lambda i: step.__setitem__(0, i))
     g = cache.layers[0].tile
-    # One tile completed during decoding: layers 0 and 1 began their encodes right after reading
+    # One tile completed during decoding: layers below e began their encodes right after reading
     # the tile's last token, in the step after token s (tail exactly one tile, not yet counted as
-    # stored); the others one step later, layer i at layer i - 2's read (still before the tile is
+    # stored); the others one step later, layer i at layer i - e's read (still before the tile is
     # counted as stored, so before the layer's own update).
-    n = len(cache.layers)
+    n, e = len(cache.layers), (2 if fills else 4)
     s = calls[0][2]
-    assert n == 6 and hf_graph._early_layers(n) == 2
-    expect = [(s, i, i) for i in range(2)] + [(s + 1, i - 2, i) for i in range(2, n)]
+    assert n == 6 and hf_graph._early_layers(cache.layers) == e
+    expect = [(s, i, i) for i in range(e)] + [(s + 1, i - e, i) for i in range(e, n)]
     assert calls == [("flush_ahead", "read_done", *e, g, 0) for e in expect]
     assert cache.layers[0].store.counts == [1] and cache.layers[0]._ahead is None
     calls.clear()
