@@ -28,10 +28,10 @@ values), then ``--new`` greedy tokens are generated; step time = median gap betw
 events (CUDA events recorded by a logits processor or by ``decode_greedy``'s callback; no host
 synchronization), skipping the first three steps. The history is ``context - new // 2`` tokens, so
 that a kvarn tile completes in the middle of the measured steps: ``flush_step_ms`` is the step that
-freezes it (its update encodes one tile per layer, or, under ``decode_greedy``'s default, only
-advances the lengths), ``fill_step_ms`` the step before, whose token completes the tile (where
-``decode_greedy`` starts the encodes, on a side stream); ``freeze_over_median`` (the table's
-"freeze step") is the larger excess of the two over the median step. Under CUDA-graph capture the
+freezes it (its update encodes one tile per layer; under ``decode_greedy``'s default, the later
+layers' encodes start in it, on a side stream), ``fill_step_ms`` the step before, whose token
+completes the tile (where ``decode_greedy`` starts the first layers' encodes); ``freeze_over_median``
+(the table's "freeze step") is the larger excess of the two over the median step. Under CUDA-graph capture the
 first such steps also capture their graphs: with ``--new`` of twice the tile size and more (272 at
 G 128) a second tile completes, and the last one is reported (``flush_steps_ms`` lists all).
 
