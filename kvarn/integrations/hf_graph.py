@@ -20,14 +20,15 @@ With ``flush_ahead`` (the default) the encode starts in the ``fill`` step, on a 
 as soon as each layer's attention has read the token that completes its tile
 (:meth:`~kvarn.integrations.hf_attention.FusedKVarNLayer.read_done`): it overlaps the rest of
 that step and is joined at its end; the ``flush`` step only advances the lengths of those layers.
-That is done by the first 3/8 or 5/8 of the layers (``_early_layers``); the others start theirs in the
-``flush`` step, on the side stream, each after the read of a layer that many layers earlier, and
-each of their updates waits for its own, so the two steps share the freeze. The launches are given
-part of the SMs (``_beside_programs``: the encoder's grid capped, the same bits), so they share the
-GPU with the step's kernels. The stored tiles are the same bits, written into the same slots; the decode reads a tile only from the step
-that freezes it, as without the side stream. (A freeze not prepared by a fill step, e.g. after the
-host plan, is ``flush_inline``: its encodes start at the step's beginning on the side stream and
-each layer's update waits for its own.)
+That is done by the first 3/8 or 5/8 of the layers (``_early_layers``); the others start theirs
+in the ``flush`` step, on the side stream, each after the read of a layer that many layers
+earlier, and each of their updates waits for its own, so the two steps share the freeze. The
+launches are given part of the SMs (``_beside_programs``: the encoder's grid capped, the same
+bits), so they share the GPU with the step's kernels. The stored tiles are the same bits, written
+into the same slots; the decode reads a tile only from the step that freezes it, as without the
+side stream. (A freeze not prepared by a fill step, e.g. after the host plan, is
+``flush_inline``: its encodes start at the step's beginning on the side stream and each layer's
+update waits for its own.)
 
 Steps run eagerly until the cache is steady (the first decode step freezes the prompt's tiles on
 the host plan) and each graph has been warmed up by one eager step of its kind (kernel compilation
