@@ -278,11 +278,12 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
     # (_beside_programs) to share the SMs with the step's kernels. The tiles and the steps that
     # read them are the same.
     early = _early_layers(ahead)
+    programs = _beside_programs(dev)  # read only by encodes on the side stream
     for i, layer in enumerate(ahead):
         layer.ahead_stream = flush_stream
         layer.ahead_self = i < early
         layer.ahead_next = ahead[i + early] if i + early < len(ahead) else None
-        layer.ahead_programs = _beside_programs(layer.device) if flush_stream is not None else None
+        layer.ahead_programs = programs
     try:
         for i in range(1, max_new_tokens):
             graphs.run()
