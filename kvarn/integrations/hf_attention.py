@@ -83,6 +83,10 @@ class FusedKVarNLayer(KVarNLayer):
             g, s = self.tile, self.sink_tokens
             cap = max(1, -(-max(0, self.max_length - s) // g))
             self.store.reserve(record_layout(self.codec.config, self.head_dim), cap)
+            # The tail a steady step writes into holds up to a tile. Reserved now: grown on demand
+            # it could still be shorter than that when a step is captured (a prompt shorter than
+            # the sink leaves it at the prompt's length), and a captured step writes past its end.
+            self._ensure_tail(min(g, self.max_length))
 
     def reset(self) -> None:
         super().reset()

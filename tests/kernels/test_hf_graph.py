@@ -141,6 +141,22 @@ def test_steady_steps_keep_the_tail_buffers(fused_model, kdevice):
     assert all(s == seen[1] for s in seen[2:])
 
 
+def test_a_prompt_shorter_than_the_sink_leaves_the_tail_room_for_a_tile(fused_model, kdevice):
+    """A 30-token prompt (S = G = 64): the sink then fills a decode token at a time (the host plan)
+    and the first steady step is captured with a tail of a token or two. The tail buffer a captured
+    step writes into must take a whole tile all the same: grown to the prompt's length alone, the
+    captured steps wrote past its end (an index error under "simulate", 35 steps on). The captured
+    loop over such a prompt runs in test_hf_graph_gpu.py (on CPU it takes 100 steps, minutes)."""
+    model = fused_model
+    cache = _fused(model, max_length=200)
+    ids = torch.randint(0, 97, (2, 31), device=kdevice)
+    model(input_ids=ids[:, :30], past_key_values=cache, use_cache=True)  # the prompt
+    model(input_ids=ids[:, 30:], past_key_values=cache, use_cache=True)  # a step: the sink takes the prompt
+    for layer in cache.layers:
+        assert layer.sink_len == [30, 30] and layer.tail_len == [1, 1]
+        assert layer.tail_k.shape[2] >= layer.tile and layer.tail_v.shape[2] >= layer.tile
+
+
 def test_a_crop_discards_a_tile_encoded_ahead(fused_model, kdevice):
     """decode_greedy can stop right after the step that completes a tile (its encode already
     written, not yet counted). A crop that removes that tile's last token must not let a later

@@ -72,7 +72,8 @@ def assert_same_decoding(tokens, logits, ref_tokens, ref_logits, rel: float = 0.
             f"token {first} differs with a top-2 logit gap of {gap} (logit error so far {err})")
 
 
-def assert_same_tokens_and_tiles(tokens, logits, cache, ref_tokens, ref_logits, ref_cache, tie: float = 1e-3):
+def assert_same_tokens_and_tiles(tokens, logits, cache, ref_tokens, ref_logits, ref_cache, tie: float = 1e-3,
+                                 prompt: int = PROMPT):
     """Captured vs eager (``capture="none"``) on the fused cache, to the bit: the same tokens, unless
     the first one that differs was a near tie in the reference after logits that agreed until then
     (both within ``tie`` of the largest logit magnitude, about one fp16 rounding), and every tile
@@ -103,9 +104,9 @@ def assert_same_tokens_and_tiles(tokens, logits, cache, ref_tokens, ref_logits, 
             f"{gap:.4g} is no near tie (<= {tie * scale:.4g})")
     for i, (layer, ref) in enumerate(zip(cache.layers, ref_cache.layers)):
         assert layer.store.counts == ref.store.counts, f"layer {i}: tile counts {layer.store.counts} vs eager's"
-        # Tile j holds positions S + j G .. S + (j + 1) G - 1; the token at position PROMPT + t is
-        # generated token t, so the tiles that end before position PROMPT + first saw the same inputs.
-        n = min(ref.store.counts[0], max(0, (PROMPT + first - ref.sink_tokens) // ref.tile))
+        # Tile j holds positions S + j G .. S + (j + 1) G - 1; the token at position prompt + t is
+        # generated token t, so the tiles that end before position prompt + first saw the same inputs.
+        n = min(ref.store.counts[0], max(0, (prompt + first - ref.sink_tokens) // ref.tile))
         for name, x in ref.store.fields.items() if n else ():
             a, b = (y[:, :, :n].reshape(*y.shape[:2], n, -1).view(torch.uint8) for y in (layer.store.fields[name], x))
             if not torch.equal(a, b):
@@ -138,6 +139,27 @@ def test_captured_kvarn_decode_matches_eager(model, preset):
     assert_same_decoding(*out["none"], ref.sequences[:, PROMPT:], ref_logits)
     assert_same_tokens_and_tiles(*out["cuda"], caches["cuda"], *out["none"], caches["none"])
     assert_same_decoding(*out["cuda"], *out["none"])
+
+
+def test_captured_decode_after_a_prompt_shorter_than_the_sink(model):
+    """A 30-token prompt: the sink fills during decoding (host-plan steps), then the steady steps
+    are captured with a tail of a token or two, and a tile freezes in a replay. The tail buffer the
+    graphs write into must hold a tile (it once held the prompt's 30 tokens: the captured steps
+    wrote past its end)."""
+    from kvarn.integrations import hf_attention
+
+    prompt = 30
+    ids = torch.randint(0, 1000, (2, prompt), device="cuda")
+    hf_attention.use_fused(model)
+    try:
+        out, caches = {}, {}
+        for mode in ("none", "cuda"):
+            cache = caches[mode] = hf_attention.fused_cache(model, "k4v2_g128", max_length=prompt + NEW)
+            out[mode] = decode_with_logits(model, cache, ids, mode)
+            assert cache.layers[0].store.counts == [(prompt + NEW - 1 - 128) // 128] * 2
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert_same_tokens_and_tiles(*out["cuda"], caches["cuda"], *out["none"], caches["none"], prompt=prompt)
 
 
 def test_captured_static_cache_decode_matches_eager(model):
