@@ -9,13 +9,19 @@ which no user code should do):
 - ``early``: how many of the 32 layers start their encodes in the fill step ("all": every layer,
   the schedule before session 14; default: decode_greedy's own choice);
 - ``programs``: the encoder's programs for K and for V per launch (None: one per tile, 128 at
-  batch 16; default: decode_greedy's, a quarter of the SMs).
+  batch 16; default: decode_greedy's, a quarter of the SMs);
+- ``options``: the side-stream encodes' warps and register cap (None: the launch's own,
+  ``kvarn.kernels.encode._launch_options``);
+- ``priority``: the captured step's stream at a higher priority than the side stream, with
+  ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` (set by this script when a schedule asks for it) so that
+  graph replays keep the captured streams' priorities: the block scheduler then dispatches the
+  step's blocks before the encoder's (measured: no gain beyond the spread of runs; BENCHMARKS.md).
 
 Each schedule is one ``bench_e2e.run_one`` with ``--new`` tokens (400: three tile completions, the
 first also captures the graphs and is not reported). Steps are single replays, so a figure moves by
 about a percent between runs and more between machines: compare rows of one run. With ``--device
-cpu --shape tiny`` it runs at toy sizes (kernels under triton's interpreter) to check the script,
-not to measure.
+cpu --shape tiny --contexts 300 --batch 2 --new 100`` it runs at toy sizes (kernels under triton's
+interpreter, about four minutes a schedule) to check the script, not to measure.
 
     PYTHONPATH=. python benchmarks/study_freeze_schedule.py --out benchmarks/results/freeze_schedule_h200.json
 """
@@ -31,13 +37,23 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT = "default"
-SCHEDULES = {  # name: (early layers, programs)
-    "one_step": ("all", None),
-    "one_step_p33": ("all", 33),
-    "split_uncapped": (DEFAULT, None),
-    "split_p16": (DEFAULT, 16),
-    "split": (DEFAULT, DEFAULT),
-    "split_p66": (DEFAULT, 66),
+W4, R128 = {"num_warps": 4}, {"num_warps": 8, "max_registers": 128}
+SCHEDULES = {  # name: (early layers, programs, launch options, step stream priority)
+    "one_step": ("all", None, None, False),
+    "one_step_p33": ("all", 33, None, False),
+    "split_uncapped": (DEFAULT, None, None, False),
+    "split_p16": (DEFAULT, 16, None, False),
+    "split": (DEFAULT, DEFAULT, None, False),
+    "split_p66": (DEFAULT, 66, None, False),
+    "split_r128": (DEFAULT, DEFAULT, R128, False),
+    "split_w4": (DEFAULT, DEFAULT, W4, False),
+    "split_p66_w4": (DEFAULT, 66, W4, False),
+    "split_prio": (DEFAULT, DEFAULT, None, True),
+    "split_r128_prio": (DEFAULT, DEFAULT, R128, True),
+    "split_uncapped_prio": (DEFAULT, None, None, True),
+    "split_uncapped_w4_prio": (DEFAULT, None, W4, True),
+    "one_step_prio": ("all", None, None, True),
+    "one_step_w4_prio": ("all", None, W4, True),
 }
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,6 +61,7 @@ ap.add_argument("--contexts", nargs="+", type=int, default=[32768])
 ap.add_argument("--batch", type=int, default=16)
 ap.add_argument("--presets", nargs="+", default=["k4v2_g128"])
 ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+ap.add_argument("--repeats", type=int, default=1, help="passes over the schedules (rows of one run vary)")
 ap.add_argument("--new", type=int, default=400)
 ap.add_argument("--out", default="benchmarks/results/freeze_schedule.json")
 ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -53,20 +70,40 @@ ap.add_argument("--shape", default="llama8b", choices=["llama8b", "tiny"])
 ARGS = ap.parse_args() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+if ARGS is not None and any(SCHEDULES[n][3] for n in ARGS.schedules):
+    os.environ.setdefault("CUDA_GRAPHS_USE_NODE_PRIORITY", "1")  # before CUDA starts
 
 import torch  # noqa: E402
 
 import bench_e2e as be  # noqa: E402
+from kvarn import kernels  # noqa: E402
 from kvarn.integrations import hf_attention, hf_graph  # noqa: E402
 
 
-def schedule(early, programs) -> None:
-    """Set decode_greedy's two choices (restored to its own by DEFAULT)."""
+def schedule(early, programs, options=None, priority=False) -> None:
+    """Set decode_greedy's choices (restored to its own by DEFAULT, None, False)."""
     hf_graph._early_layers = (lambda layers: len(layers)) if early == "all" else OWN_EARLY
     if programs == DEFAULT:
         hf_graph._beside_programs = OWN_PROGRAMS
     else:
         hf_graph._beside_programs = lambda device: programs or 1 << 30
+    BESIDE_OPTIONS.clear()
+    BESIDE_OPTIONS.update(options or {})
+    STEP_PRIORITY[0] = priority
+
+
+def _encode_tiles(*args, programs=None, **kwargs):
+    """kernels.encode_tiles with the schedule's launch options for side-stream (capped) encodes."""
+    if programs is not None:
+        kwargs.update(BESIDE_OPTIONS)
+    return OWN_ENCODE(*args, programs=programs, **kwargs)
+
+
+def _graphs_init(self, *args, **kwargs):
+    """hf_graph._Graphs with its capture stream at the highest priority when the schedule asks."""
+    OWN_GRAPHS_INIT(self, *args, **kwargs)
+    if STEP_PRIORITY[0] and self.stream is not None:
+        self.stream = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[1])
 
 
 def main(a) -> None:
@@ -81,7 +118,7 @@ def main(a) -> None:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     for ctx in a.contexts:
         for preset in a.presets:
-            for name in a.schedules:
+            for name in [n for _ in range(a.repeats) for n in a.schedules]:
                 schedule(*SCHEDULES[name])
                 t0 = time.time()
                 r = be.run_one(model, f"kvarn_graph:{preset}", a.batch, ctx, a.new, 4096, a.device)
@@ -97,6 +134,8 @@ def main(a) -> None:
                 with open(a.out, "w") as fh:
                     json.dump({**meta, "rows": rows}, fh, indent=1)
     schedule(DEFAULT, DEFAULT)
+    print(f"step stream priorities {torch.cuda.Stream.priority_range() if a.device == 'cuda' else None}, "
+          f"CUDA_GRAPHS_USE_NODE_PRIORITY={os.environ.get('CUDA_GRAPHS_USE_NODE_PRIORITY')}")
     print("| context x B | preset | schedule | median step ms | fill step | flush step |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -106,6 +145,11 @@ def main(a) -> None:
 
 
 OWN_EARLY, OWN_PROGRAMS = hf_graph._early_layers, hf_graph._beside_programs
+OWN_ENCODE, OWN_GRAPHS_INIT = kernels.encode_tiles, hf_graph._Graphs.__init__
+BESIDE_OPTIONS: dict = {}
+STEP_PRIORITY = [False]
+kernels.encode_tiles = _encode_tiles
+hf_graph._Graphs.__init__ = _graphs_init
 
 if __name__ == "__main__":
     main(ARGS)
