@@ -37,7 +37,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT = "default"
-W4, R128 = {"num_warps": 4}, {"num_warps": 8, "max_registers": 128}
+W4, W16, R128 = {"num_warps": 4}, {"num_warps": 16}, {"num_warps": 8, "max_registers": 128}
 SCHEDULES = {  # name: (early layers, programs, launch options, step stream priority)
     "one_step": ("all", None, None, False),
     "one_step_p33": ("all", 33, None, False),
@@ -48,6 +48,9 @@ SCHEDULES = {  # name: (early layers, programs, launch options, step stream prio
     "split_r128": (DEFAULT, DEFAULT, R128, False),
     "split_w4": (DEFAULT, DEFAULT, W4, False),
     "split_p66_w4": (DEFAULT, 66, W4, False),
+    "split_w16": (DEFAULT, DEFAULT, W16, False),
+    "split_p16_w16": (DEFAULT, 16, W16, False),
+    "split_p66_w16": (DEFAULT, 66, W16, False),
     "split_prio": (DEFAULT, DEFAULT, None, True),
     "split_r128_prio": (DEFAULT, DEFAULT, R128, True),
     "split_uncapped_prio": (DEFAULT, None, None, True),
