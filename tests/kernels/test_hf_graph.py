@@ -145,7 +145,7 @@ def test_a_prompt_shorter_than_the_sink_leaves_the_tail_room_for_a_tile(fused_mo
     """A 30-token prompt (S = G = 64): the sink then fills a decode token at a time (the host plan)
     and the first steady step is captured with a tail of a token or two. The tail buffer a captured
     step writes into must take a whole tile all the same: grown to the prompt's length alone, the
-    captured steps wrote past its end (an index error under "simulate", 35 steps on). The captured
+    captured steps wrote past its end (an index error under "simulate", about 65 steps on). The captured
     loop over such a prompt runs in test_hf_graph_gpu.py (on CPU it takes 100 steps, minutes)."""
     model = fused_model
     cache = _fused(model, max_length=200)
