@@ -110,6 +110,8 @@ def _graphs_init(self, *args, **kwargs):
 
 
 def main(a) -> None:
+    if a.repeats < 1:
+        sys.exit(f"--repeats {a.repeats}: give at least 1 pass over the schedules")
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device (use --device cpu --shape tiny for a check)")
     torch.manual_seed(0)
