@@ -20,7 +20,9 @@ different reduction order, two of each iteration's four are derived from earlier
 ``_encode_one``), the others are taken of ``X * exp(-a)`` (rows) and ``X * exp(-b)`` (columns),
 products fused into the sums and deviations (FMAs), and then scaled, divisions are
 multiplications by ``exp(-b)``, ``exp(-a)`` and ``1 / step``, ``exp`` comes from the GPU's
-``ex2.approx`` and ``log`` from its ``lg2.approx`` (libdevice's ``logf`` under the interpreter),
+``ex2.approx`` and ``log`` from its ``lg2.approx`` (libdevice's ``logf`` under the interpreter;
+in the loop their ``.ftz`` forms: the clamped scales keep every argument and result normal, so
+only the subnormal handling is left out),
 so a scale can differ by one fp16 ulp, a code
 that sits on a rounding boundary can move by one step, and where two iterates score the same
 imbalance up to fp32 rounding the kernel may keep the other one (rarely: see the kernel tests).
@@ -87,15 +89,28 @@ def _score(cs, rs):
 
 @triton.jit
 def _log(x, ASM: tl.constexpr):
-    """Natural log. ASM: the GPU's ``lg2.approx`` (error about 2^-22, one MUFU op)
+    """Natural log of the loop's clamped deviations (in [1e-3, 1e3]). ASM: the GPU's
+    ``lg2.approx.ftz`` (error about 2^-22, one MUFU op; without the subnormal fix-up)
     instead of libdevice's logf polynomial (about 20 instructions), which the per-row and
     per-column vectors pay once per copy a thread holds; the interpreter takes ``tl.log``."""
     if ASM:
-        l2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+        l2 = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
                                        is_pure=True, pack=1)
         return l2 * 0.6931471805599453
     else:
         return tl.log(x)
+
+
+@triton.jit
+def _exp(x, ASM: tl.constexpr):
+    """exp of the loop's clamped scales (results in [4.5e-5, 1.35], never subnormal): ``tl.exp``'s
+    ``ex2.approx`` of ``x * log2(e)`` without the subnormal fix-up (four instructions per copy of
+    a scale vector), the same value; the interpreter takes ``tl.exp``."""
+    if ASM:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * 1.4426950408889634],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.exp(x)
 
 
 @triton.jit
@@ -159,12 +174,13 @@ def _encode_one(
     best = _score(cs, rs)
     best_a = a
     best_b = b
+    eb = ones_r  # exp(-b) of the last row update (b = 0 before the first), carried, not recomputed
     for _ in range(ITERS):
         a = tl.minimum(tl.maximum(a + _log(tl.minimum(tl.maximum(cs, 1e-3), 1e3), ASM), -0.3), 10.0)
-        ea = tl.exp(-a)
+        ea = _exp(-a, ASM)
         rs_x = _ustd_rows(x, ea, C)
-        b = tl.minimum(tl.maximum(b + _log(tl.minimum(tl.maximum(rs_x * tl.exp(-b), 1e-3), 1e3), ASM), -0.3), 10.0)
-        eb = tl.exp(-b)
+        b = tl.minimum(tl.maximum(b + _log(tl.minimum(tl.maximum(rs_x * eb, 1e-3), 1e3), ASM), -0.3), 10.0)
+        eb = _exp(-b, ASM)
         rs = rs_x * eb  # the rows of Y after the row update
         cs = _ustd_cols(x, eb, R) * ea
         m = _score(cs, rs)
@@ -232,7 +248,7 @@ def _rotate(x, D: tl.constexpr, inv_sqrt_d):
     past the fp16 range (bf16 or fp32 models) and tiny ones keep fp32's relative precision."""
     amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     scale = tl.exp2(tl.where(amax > 0, tl.ceil(tl.log2(amax)), 0.0))
-    return hadamard_rows(x / scale, D) * (inv_sqrt_d * scale)
+    return hadamard_rows(x / scale, D, True) * (inv_sqrt_d * scale)
 
 
 @triton.jit

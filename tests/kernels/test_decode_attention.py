@@ -25,9 +25,9 @@ from kvarn.kernels.decode_blocks import hadamard_rows  # noqa: E402
 
 
 @triton.jit
-def _rotate_rows_kernel(x_ptr, y_ptr, R: tl.constexpr, D: tl.constexpr):
+def _rotate_rows_kernel(x_ptr, y_ptr, R: tl.constexpr, D: tl.constexpr, SPLIT_ROWS: tl.constexpr):
     off = tl.arange(0, R)[:, None] * D + tl.arange(0, D)[None, :]
-    tl.store(y_ptr + off, hadamard_rows(tl.load(x_ptr + off), D))
+    tl.store(y_ptr + off, hadamard_rows(tl.load(x_ptr + off), D, SPLIT_ROWS))
 
 
 def check(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=None, fp_splits=None, kernel_kw=None, **kw):
@@ -77,14 +77,16 @@ def test_decode_some_lengths_given(given, kdevice):
     check(q, sk, sv, tiles, tk, tv, cfg, num_splits=2, **{given: torch.tensor(short, device=kdevice)})
 
 
-@pytest.mark.parametrize("rows,d", [(4, 64), (4, 128), (8, 128), (4, 256)])
-def test_hadamard_rows_is_the_rotation(rows, d, kdevice):
+@pytest.mark.parametrize("split_rows", [False, True])
+@pytest.mark.parametrize("rows,d", [(4, 64), (4, 128), (8, 128), (4, 256), (16, 32)])
+def test_hadamard_rows_is_the_rotation(rows, d, split_rows, kdevice):
     """The kernel's in-register rotation (two small MMAs over the Kronecker factors of H) is
-    ``x @ (sqrt(D) H)`` to fp32 rounding, on rows whose channels span three orders of magnitude."""
+    ``x @ (sqrt(D) H)`` to fp32 rounding, on rows whose channels span three orders of magnitude;
+    with the second MMA's rows reordered (``SPLIT_ROWS``, the encoder's form) too."""
     g = torch.Generator().manual_seed(rows * d)
     x = torch.randn(rows, d, generator=g) * torch.logspace(0, 3, d)
     y = torch.empty_like(x, device=kdevice)
-    _rotate_rows_kernel[(1,)](x.to(kdevice), y, rows, d)
+    _rotate_rows_kernel[(1,)](x.to(kdevice), y, rows, d, split_rows)
     ref = x.double() @ (hadamard_matrix(d, "cpu", torch.float64) * d ** 0.5)
     assert (y.cpu().double() - ref).abs().max() <= 1e-6 * ref.abs().max()
 
