@@ -7,7 +7,7 @@ the tile) over the median step, for freeze schedules that ``decode_greedy`` choo
 which no user code should do):
 
 - ``early``: how many of the 32 layers start their encodes in the fill step ("all": every layer,
-  the schedule before session 14; default: decode_greedy's own choice);
+  the schedule before session 14; a number; default: decode_greedy's own choice);
 - ``programs``: the encoder's programs for K and for V per launch (None: one per tile, 128 at
   batch 16; default: decode_greedy's, a quarter of the SMs);
 - ``options``: the side-stream encodes' warps and register cap (None: the launch's own,
@@ -51,6 +51,11 @@ SCHEDULES = {  # name: (early layers, programs, launch options, step stream prio
     "split_w16": (DEFAULT, DEFAULT, W16, False),
     "split_p16_w16": (DEFAULT, 16, W16, False),
     "split_p66_w16": (DEFAULT, 66, W16, False),
+    "split_e6": (6, DEFAULT, None, False),
+    "split_e8": (8, DEFAULT, None, False),
+    "split_e10": (10, DEFAULT, None, False),
+    "split_e8_p24": (8, 24, None, False),
+    "split_e8_p44": (8, 44, None, False),
     "split_prio": (DEFAULT, DEFAULT, None, True),
     "split_r128_prio": (DEFAULT, DEFAULT, R128, True),
     "split_uncapped_prio": (DEFAULT, None, None, True),
@@ -85,7 +90,12 @@ from kvarn.integrations import hf_attention, hf_graph  # noqa: E402
 
 def schedule(early, programs, options=None, priority=False) -> None:
     """Set decode_greedy's choices (restored to its own by DEFAULT, None, False)."""
-    hf_graph._early_layers = (lambda layers: len(layers)) if early == "all" else OWN_EARLY
+    if early == "all":
+        hf_graph._early_layers = lambda layers: len(layers)
+    elif isinstance(early, int):
+        hf_graph._early_layers = lambda layers: min(early, len(layers))
+    else:
+        hf_graph._early_layers = OWN_EARLY
     if programs == DEFAULT:
         hf_graph._beside_programs = OWN_PROGRAMS
     else:

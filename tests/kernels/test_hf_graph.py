@@ -85,7 +85,7 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
     in the step that writes the tile's last token (flush_ahead, right after the layer's attention
     read), while the tile is still unfrozen, and the others in the next step, each at the read of
     the layer e before it, before its own update; generate encodes in the next update. e = 4
-    (5/8), or 2 (3/8) where one layer's encode fills the GPU (``fills``): there the later layers
+    (5/8), or 2 (1/4) where one layer's encode fills the GPU (``fills``): there the later layers
     are started at reads of layers that are late themselves."""
     model = _tiny_llama(kdevice, torch.float16 if HAS_CUDA else torch.float32, layers=6)
     hf_attention.use_fused(model)
