@@ -30,6 +30,7 @@ from triton.compiler import ASTSource
 
 from kvarn.config import KVarNConfig
 from kvarn.kernels import encode
+from kvarn.kernels.layout import check_launch_knobs
 
 _POINTERS = {"k_ptr": "*fp16", "v_ptr": "*fp16", "kc_ptr": "*u8", "vc_ptr": "*u8", "flag_ptr": "*i8",
              "slot_ptr": "*i64", "bad_ptr": "*i32"}  # the other pointers are fp16 scale fields
@@ -95,6 +96,19 @@ def count(kernel) -> dict:
     }
 
 
+def _launch(text: str) -> tuple[int, int | None]:
+    """``warps:cap`` -> (warps, register cap or None), refused by name as the encoder's own knobs are."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise SystemExit(f"--launches {text!r}: give warps:register cap, e.g. 8:128 (cap 0: none)")
+    warps, cap = int(parts[0]), int(parts[1]) or None
+    try:
+        check_launch_knobs(warps, cap)
+    except ValueError as exc:
+        raise SystemExit(f"--launches {text!r}: {exc}") from None
+    return warps, cap
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=["k4v2_g128", "k2v2_g128"])
@@ -103,16 +117,19 @@ def main():
                     help="warps:register cap (0: none); 8:128 is the cache's B 16 launch, 8:0 its B 1")
     ap.add_argument("--out", default="benchmarks/results/sass_encoder.json")
     a = ap.parse_args()
+    launches = [_launch(x) for x in a.launches]
+    configs = [KVarNConfig.from_name(p) for p in a.presets]  # an unknown preset is refused by name
+    configs[0].record_bytes(a.head_dim)  # a head_dim the codec refuses is refused here
+    if not 32 <= a.head_dim <= 256:
+        raise SystemExit(f"--head-dim {a.head_dim}: the encoder rotates in the kernel for 32 <= D <= 256")
     rows = []
     print("| preset | warps | register cap | registers | spill stack B | loop, the two paths | rest of a tile | a tile |")
     print("|---|---|---|---|---|---|---|---|")
-    for preset in a.presets:
-        cfg = KVarNConfig.from_name(preset)
-        for launch in a.launches:
-            warps, cap = (int(x) for x in launch.split(":"))
-            r = count(compile_encoder(cfg, a.head_dim, warps, cap or None))
+    for preset, cfg in zip(a.presets, configs):
+        for warps, cap in launches:
+            r = count(compile_encoder(cfg, a.head_dim, warps, cap))
             tile = r["rest_per_path"] + cfg.sinkhorn_iters * sum(r["loops"]) / 2
-            r.update(preset=preset, warps=warps, max_registers=cap or None, per_tile=tile, iters=cfg.sinkhorn_iters)
+            r.update(preset=preset, warps=warps, max_registers=cap, per_tile=tile, iters=cfg.sinkhorn_iters)
             rows.append(r)
             print(f"| {preset} | {warps} | {cap or '-'} | {r['registers']} | {r['stack_bytes']} "
                   f"| {' / '.join(map(str, r['loops']))} | {r['rest_per_path']:.0f} | {tile:.0f} |", flush=True)
