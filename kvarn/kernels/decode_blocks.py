@@ -102,16 +102,21 @@ def _pm1_factor(A: tl.constexpr):
 @triton.jit
 def _mm16(x, b):
     """fp32 ``[R, 16] @ b`` for fp16 ``b`` exact (0, +-1): ``x`` as fp16 high and low halves, fp32
-    sums, so the result is accurate to about 2^-22 relative."""
+    sums, so the result is accurate to about 2^-22 relative. An fp16 ``x`` is exact as it is: one
+    MMA."""
+    if x.dtype == tl.float16:
+        return tl.dot(x, b, out_dtype=tl.float32)
     hi = x.to(tl.float16)
     y = tl.dot(hi, b)
     return tl.dot((x - hi.to(tl.float32)).to(tl.float16), b, y)
 
 
 @triton.jit
-def hadamard_rows(x, D: tl.constexpr, SPLIT_ROWS: tl.constexpr = False):
+def hadamard_rows(x, D: tl.constexpr, SPLIT_ROWS: tl.constexpr = False, mid=None):
     """``x @ (sqrt(D) H)`` for fp32 rows ``x [R, D]`` (``D`` = 2^n, 32 <= D <= 256, ``R * D >= 256``),
-    in registers: no matrix is read from memory.
+    in registers: no matrix is read from memory. fp16 rows are taken as they are by the first MMA
+    (exact products, fp32 sums); ``mid`` (fp32 scalar, optional) multiplies the first MMA's result,
+    before the second splits it into fp16 halves (a power of two keeps it in the fp16 range).
 
     ``sqrt(D) H_D`` is the Kronecker product of ``sqrt(16) H_16`` on the low 4 bits of the channel
     index and ``sqrt(A) H_A`` (``A = D / 16``) on the high bits, so the product is two small MMAs:
@@ -132,6 +137,8 @@ def hadamard_rows(x, D: tl.constexpr, SPLIT_ROWS: tl.constexpr = False):
     A: tl.constexpr = D // 16
     R: tl.constexpr = x.shape[0]
     y = _mm16(tl.reshape(x, [R * A, 16]), _pm1_factor(16))  # low bits done: [R, A, 16]
+    if mid is not None:
+        y = y * mid
     y = tl.reshape(tl.permute(tl.reshape(y, [R, A, 16]), (0, 2, 1)), [R * A, 16])  # index (low, high)
     if SPLIT_ROWS:
         AL: tl.constexpr = 4 if A >= 4 else A

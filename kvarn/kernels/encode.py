@@ -18,12 +18,14 @@ rotated (the others are stored in the model frame).
 Differences from the torch twin, by design: the unbiased standard deviations are two-pass sums in a
 different reduction order, two of each iteration's four are derived from earlier ones (see
 ``_encode_one``), the others are taken of ``X * exp(-a)`` (rows) and ``X * exp(-b)`` (columns),
-products fused into the sums and deviations (FMAs), and then scaled, divisions are
-multiplications by ``exp(-b)``, ``exp(-a)`` and ``1 / step``, ``exp`` comes from the GPU's
-``ex2.approx`` and ``log`` from its ``lg2.approx`` (libdevice's ``logf`` under the interpreter;
-in the loop their ``.ftz`` forms: the clamped scales keep every argument and result normal, so
-only the subnormal handling is left out),
-so a scale can differ by one fp16 ulp, a code
+products fused into the sums and deviations (FMAs), and then scaled; the loop keeps the
+log-scales in log2 units and the deviations as log2 of the std (half the log2 of the variance, no
+square root), clamped at the spec's bounds in those units, and the imbalance is ``2^(max - min)``
+of them; divisions are multiplications by ``exp(-b)``, ``exp(-a)`` and ``1 / step``, ``exp`` and
+``log`` are the GPU's ``ex2.approx`` and ``lg2.approx`` (``tl.exp2`` and ``tl.log2`` under the
+interpreter; in the loop their ``.ftz`` forms: the clamped scales keep every argument and result
+normal, so only the subnormal handling is left out); fp16 tiles are rotated with their first
+Hadamard factor exact (:func:`_rotate`), so a scale can differ by one fp16 ulp, a code
 that sits on a rounding boundary can move by one step, and where two iterates score the same
 imbalance up to fp32 rounding the kernel may keep the other one (rarely: see the kernel tests).
 Quantile ranges (``config.key_quantile`` / ``value_quantile`` > 0): the ranks each quantile
@@ -51,22 +53,23 @@ from .layout import (check_device, check_fields, check_launch_knobs, empty_field
 
 
 @triton.jit
-def _ustd_cols(x, f, R: tl.constexpr):
-    """Unbiased std of each column of ``x * f[:, None]`` (over rows), two-pass: ``x [R, C]`` -> ``[C]``.
-    The scaled tile is never formed: the products fuse into the sum's additions where the compiler
-    pairs them (its in-thread sums are trees: about 1.4 instructions a value), the deviations are
-    ``fma(x, f, -mean)``, and only ``x`` stays live."""
+def _lg2_std_cols(x, f, R: tl.constexpr, ASM: tl.constexpr):
+    """log2 of the unbiased std of each column of ``x * f[:, None]`` (over rows), two-pass:
+    ``x [R, C]`` -> ``[C]``. The scaled tile is never formed: the products fuse into the sum's
+    additions where the compiler pairs them (its in-thread sums are trees: about 1.4 instructions
+    a value), the deviations are ``fma(x, f, -mean)``, and only ``x`` stays live. The loop works on
+    log2 deviations: half the log2 of the variance, no square root per copy of a vector."""
     mean = tl.sum(x * f[:, None], axis=0) * (1.0 / R)
     dev = tl.fma(x, f[:, None], -mean[None, :])
-    return tl.sqrt(tl.sum(dev * dev, axis=0) * (1.0 / (R - 1)))
+    return _lg2(tl.sum(dev * dev, axis=0) * (1.0 / (R - 1)), ASM) * 0.5
 
 
 @triton.jit
-def _ustd_rows(x, e, C: tl.constexpr):
-    """Unbiased std of each row of ``x * e[None, :]`` (over columns): ``x [R, C]`` -> ``[R]``."""
+def _lg2_std_rows(x, e, C: tl.constexpr, ASM: tl.constexpr):
+    """log2 of the unbiased std of each row of ``x * e[None, :]`` (over columns): ``[R, C]`` -> ``[R]``."""
     mean = tl.sum(x * e[None, :], axis=1) * (1.0 / C)
     dev = tl.fma(x, e[None, :], -mean[:, None])
-    return tl.sqrt(tl.sum(dev * dev, axis=1) * (1.0 / (C - 1)))
+    return _lg2(tl.sum(dev * dev, axis=1) * (1.0 / (C - 1)), ASM) * 0.5
 
 
 @triton.jit
@@ -75,42 +78,51 @@ def _max_min(a, b, c, d):
 
 
 @triton.jit
-def _spread(v):
-    """``max(v) / max(min(v), 1e-8)``: both extremes in one reduction."""
+def _spread(v, ASM: tl.constexpr):
+    """``max(s) / max(min(s), 1e-8)`` of the deviations ``s = 2^v``: both extremes in one reduction."""
     hi, lo = tl.reduce((v, v), 0, _max_min)
-    return hi / tl.maximum(lo, 1e-8)
+    return _ex2(hi - tl.maximum(lo, _LG2_1E_8), ASM)
 
 
 @triton.jit
-def _score(cs, rs):
-    """The spec's imbalance from the column and row standard deviations."""
-    return _spread(cs) + _spread(rs)
+def _score(lcs, lrs, ASM: tl.constexpr):
+    """The spec's imbalance from the columns' and rows' log2 standard deviations."""
+    return _spread(lcs, ASM) + _spread(lrs, ASM)
 
 
 @triton.jit
-def _log(x, ASM: tl.constexpr):
-    """Natural log of the loop's clamped deviations (in [1e-3, 1e3]). ASM: the GPU's
-    ``lg2.approx.ftz`` (error about 2^-22, one MUFU op; without the subnormal fix-up)
-    instead of libdevice's logf polynomial (about 20 instructions), which the per-row and
-    per-column vectors pay once per copy a thread holds; the interpreter takes ``tl.log``."""
+def _lg2(x, ASM: tl.constexpr):
+    """log2 of the loop's deviations. ASM: the GPU's ``lg2.approx.ftz`` (error about 2^-22, one
+    MUFU op; without the subnormal fix-up: a subnormal variance reads as 0, both clamped the same)
+    instead of libdevice's polynomial (about 20 instructions), which the per-row and per-column
+    vectors pay once per copy a thread holds; the interpreter takes ``tl.log2``."""
     if ASM:
-        l2 = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                       is_pure=True, pack=1)
-        return l2 * 0.6931471805599453
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
     else:
-        return tl.log(x)
+        return tl.log2(x)
 
 
 @triton.jit
-def _exp(x, ASM: tl.constexpr):
-    """exp of the loop's clamped scales (results in [4.5e-5, 1.35], never subnormal): ``tl.exp``'s
-    ``ex2.approx`` of ``x * log2(e)`` without the subnormal fix-up (four instructions per copy of
-    a scale vector), the same value; the interpreter takes ``tl.exp``."""
+def _ex2(x, ASM: tl.constexpr):
+    """2^x: ``ex2.approx.ftz`` (what ``tl.exp2`` emits, without the subnormal fix-up: the loop's
+    scales are in [4.5e-5, 1.35], and an imbalance is 0 or at least 2^-100); the interpreter takes
+    ``tl.exp2``."""
     if ASM:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * 1.4426950408889634],
-                                         dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
     else:
-        return tl.exp(x)
+        return tl.exp2(x)
+
+
+# The spec's clamps in log2 units (the loop keeps its log-scales as log2, so exp and log are the
+# GPU's ex2 and lg2 with no change of base per copy): deviations clamped to [1e-3, 1e3], scales to
+# [-0.3, 10] (natural log); the imbalance's floor 1e-8.
+_LG2_1E_3 = tl.constexpr(-9.965784284662087)
+_LG2_1E3 = tl.constexpr(9.965784284662087)
+_A_LO = tl.constexpr(-0.43280851226668897)  # -0.3 * log2(e)
+_A_HI = tl.constexpr(14.426950408889634)  # 10 * log2(e)
+_LG2_1E_8 = tl.constexpr(-26.575424759098897)
 
 
 @triton.jit
@@ -156,42 +168,43 @@ def _encode_one(
     """Normalize, round, pack and store one fp32 tile ``x [R, C]`` (rotated frame)."""
     rows = tl.arange(0, R)
     cols = tl.arange(0, C)
-    a = tl.zeros([C], dtype=tl.float32)
-    b = tl.zeros([R], dtype=tl.float32)
+    # The log-scales are kept in log2 units (a2 = a log2(e)), their deviations as log2 std.
+    a2 = tl.zeros([C], dtype=tl.float32)
+    b2 = tl.zeros([R], dtype=tl.float32)
     # Two of the four deviations an iteration of the spec takes are known without a pass over the
     # tile: the column update uses the columns' deviations the last score took (same Y), and a
     # row update scales each row, so the rows' deviations after it are the ones before it times
-    # exp(b_old - b_new). Two reductions over the tile per iteration instead of four.
+    # exp(b_old - b_new) (in log2: minus b2_new - b2_old). Two reductions over the tile per
+    # iteration instead of four.
     # Y = X / (exp(b) (x) exp(a)) is never formed: a row's deviation of Y is exp(-b) times that
     # row's deviation of X * exp(-a) (a column's alike), and X * exp(-a) itself is never formed
-    # either (_ustd_rows), so only X is live and a pass costs about three operations per value (the
-    # product in the sum, the deviation, its square; mostly FMAs): at 8 warps 64 registers a thread
-    # hold the tile, and under a 128-register cap two programs share an SM (_launch_options).
+    # either (_lg2_std_rows), so only X is live and a pass costs about three operations per value
+    # (the product in the sum, the deviation, its square; mostly FMAs): at 8 warps 64 registers a
+    # thread hold the tile, and under a 128-register cap two programs share an SM (_launch_options).
     ones_r = tl.full([R], 1.0, tl.float32)
     ones_c = tl.full([C], 1.0, tl.float32)
-    cs = _ustd_cols(x, ones_r, R)
-    rs = _ustd_rows(x, ones_c, C)
-    best = _score(cs, rs)
-    best_a = a
-    best_b = b
-    eb = ones_r  # exp(-b) of the last row update (b = 0 before the first), carried, not recomputed
+    lcs = _lg2_std_cols(x, ones_r, R, ASM)  # log2 deviations of Y's columns (Y = X before any update)
+    lrs = _lg2_std_rows(x, ones_c, C, ASM)
+    best = _score(lcs, lrs, ASM)
+    best_a = a2
+    best_b = b2
     for _ in range(ITERS):
-        a = tl.minimum(tl.maximum(a + _log(tl.minimum(tl.maximum(cs, 1e-3), 1e3), ASM), -0.3), 10.0)
-        ea = _exp(-a, ASM)
-        rs_x = _ustd_rows(x, ea, C)
-        b = tl.minimum(tl.maximum(b + _log(tl.minimum(tl.maximum(rs_x * eb, 1e-3), 1e3), ASM), -0.3), 10.0)
-        eb = _exp(-b, ASM)
-        rs = rs_x * eb  # the rows of Y after the row update
-        cs = _ustd_cols(x, eb, R) * ea
-        m = _score(cs, rs)
+        a2 = tl.minimum(tl.maximum(a2 + tl.minimum(tl.maximum(lcs, _LG2_1E_3), _LG2_1E3), _A_LO), _A_HI)
+        ea = _ex2(-a2, ASM)
+        hr = _lg2_std_rows(x, ea, C, ASM)  # rows of X * exp(-a): Y's rows before the row update, plus b2
+        b2 = tl.minimum(tl.maximum(b2 + tl.minimum(tl.maximum(hr - b2, _LG2_1E_3), _LG2_1E3), _A_LO), _A_HI)
+        eb = _ex2(-b2, ASM)
+        lrs = hr - b2  # the rows of Y after the row update
+        lcs = _lg2_std_cols(x, eb, R, ASM) - a2
+        m = _score(lcs, lrs, ASM)
         take = (m <= best) & norm  # ties go to the later iterate; without normalization: the identity
         best = tl.where(take, m, best)
-        best_a = tl.where(take, a, best_a)
-        best_b = tl.where(take, b, best_b)
+        best_a = tl.where(take, a2, best_a)
+        best_b = tl.where(take, b2, best_b)
 
-    col_scale = tl.exp(best_a)
-    row_scale = tl.exp(best_b)
-    y = x * tl.exp(-best_b)[:, None] * tl.exp(-best_a)[None, :]
+    col_scale = tl.exp2(best_a)
+    row_scale = tl.exp2(best_b)
+    y = x * tl.exp2(-best_b)[:, None] * tl.exp2(-best_a)[None, :]
 
     QMAX: tl.constexpr = (1 << BITS) - 1
     if QUANT:  # the rows' [q, 1 - q] quantiles (config.key_quantile / value_quantile > 0)
@@ -204,8 +217,11 @@ def _encode_one(
         hi = tl.max(y, axis=1)
     step = tl.maximum((hi - lo) / QMAX, 1e-10)
     t = (y - lo[:, None]) * (1.0 / step)[:, None]
-    q = (t + 12582912.0) - 12582912.0  # 1.5 * 2^23: (t + M) - M rounds fp32 t half to even for |t| < 2^22
-    q = tl.minimum(tl.maximum(q, 0.0), QMAX).to(tl.int32)
+    # Clamped before rounding (the same codes: rounding is monotone and keeps the integer bounds).
+    # t + M with M = 1.5 * 2^23 rounds fp32 t in [0, QMAX] half to even into the low mantissa bits,
+    # whose pattern is M's (low 22 bits zero) plus the code: the code is those bits, no conversion.
+    t = tl.minimum(tl.maximum(t, 0.0), QMAX) + 12582912.0
+    q = t.to(tl.int32, bitcast=True) & QMAX
 
     P: tl.constexpr = 8 // BITS
     CB: tl.constexpr = C // P
@@ -236,19 +252,25 @@ def _nonfinite(v):
 
 @triton.jit
 def _load_tile(ptr, off, s_r, s_c, R: tl.constexpr, C: tl.constexpr):
+    """The tile in its stored dtype."""
     rows = tl.arange(0, R)
     cols = tl.arange(0, C)
-    return tl.load(ptr + off + rows[:, None] * s_r + cols[None, :] * s_c).to(tl.float32)
+    return tl.load(ptr + off + rows[:, None] * s_r + cols[None, :] * s_c)
 
 
 @triton.jit
 def _rotate(x, D: tl.constexpr, inv_sqrt_d):
-    """``x @ H`` of fp32 rows ``x [R, D]``. The MMAs take fp16 halves of their input, so the tile is
-    brought to a largest magnitude of at most 1 by a power of two first (and back after): values
-    past the fp16 range (bf16 or fp32 models) and tiny ones keep fp32's relative precision."""
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    """``x @ H`` in fp32 of rows ``x [R, D]`` as stored. The MMAs take fp16 halves of their input, so
+    the tile is brought to a largest magnitude of at most 1 by a power of two first (and back
+    after): values past the fp16 range (bf16 or fp32 models) and tiny ones keep fp32's relative
+    precision. fp16 rows go into the first MMA as they are (exact) and its sums are scaled before
+    the second: one MMA fewer and no fp16 split of the input (fp16 models, the cache's usual tail)."""
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32)
     scale = tl.exp2(tl.where(amax > 0, tl.ceil(tl.log2(amax)), 0.0))
-    return hadamard_rows(x / scale, D, True) * (inv_sqrt_d * scale)
+    if x.dtype == tl.float16:
+        return hadamard_rows(x, D, True, 1.0 / scale) * (inv_sqrt_d * scale)
+    else:
+        return hadamard_rows(x.to(tl.float32) / scale, D, True) * (inv_sqrt_d * scale)
 
 
 @triton.jit
@@ -293,12 +315,14 @@ def _encode_tiles_kernel(
         if kv == 0:
             off = _field_offset(i0, i1, i2, k_s0, k_s1, k_s2)
             if ROTATE:  # model-frame keys: rotate each token (rows of [G, D]), then the tile is [D, G]
-                xt = _load_tile(k_ptr, off, k_sc, k_sr, G, D)
+                raw = _load_tile(k_ptr, off, k_sc, k_sr, G, D)
                 if rot:
-                    xt = _rotate(xt, D, inv_sqrt_d)
+                    xt = _rotate(raw, D, inv_sqrt_d)
+                else:
+                    xt = raw.to(tl.float32)
                 xk = tl.trans(xt)
             else:
-                xk = _load_tile(k_ptr, off, k_sr, k_sc, D, G)
+                xk = _load_tile(k_ptr, off, k_sr, k_sc, D, G).to(tl.float32)
             _encode_one(
                 xk,
                 kc_ptr, _field_offset(i0, i1, o2, kc_s0, kc_s1, kc_s2),
@@ -308,10 +332,14 @@ def _encode_tiles_kernel(
                 bad_ptr, norm, D, G, KB, ITERS, CHECK, KQ, KLO0, KLO1, KHI0, KHI1, k_clo, k_chi, ASM,
             )
         else:
-            xv = _load_tile(v_ptr, _field_offset(i0, i1, i2, v_s0, v_s1, v_s2), v_sr, v_sc, G, D)
+            raw = _load_tile(v_ptr, _field_offset(i0, i1, i2, v_s0, v_s1, v_s2), v_sr, v_sc, G, D)
             if ROTATE:
                 if rot:
-                    xv = _rotate(xv, D, inv_sqrt_d)
+                    xv = _rotate(raw, D, inv_sqrt_d)
+                else:
+                    xv = raw.to(tl.float32)
+            else:
+                xv = raw.to(tl.float32)
             _encode_one(
                 xv,
                 vc_ptr, _field_offset(i0, i1, o2, vc_s0, vc_s1, vc_s2),

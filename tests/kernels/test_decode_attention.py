@@ -25,9 +25,14 @@ from kvarn.kernels.decode_blocks import hadamard_rows  # noqa: E402
 
 
 @triton.jit
-def _rotate_rows_kernel(x_ptr, y_ptr, R: tl.constexpr, D: tl.constexpr, SPLIT_ROWS: tl.constexpr):
+def _rotate_rows_kernel(x_ptr, y_ptr, mid, R: tl.constexpr, D: tl.constexpr, SPLIT_ROWS: tl.constexpr,
+                        MID: tl.constexpr):
     off = tl.arange(0, R)[:, None] * D + tl.arange(0, D)[None, :]
-    tl.store(y_ptr + off, hadamard_rows(tl.load(x_ptr + off), D, SPLIT_ROWS))
+    if MID:
+        y = hadamard_rows(tl.load(x_ptr + off), D, SPLIT_ROWS, mid)
+    else:
+        y = hadamard_rows(tl.load(x_ptr + off), D, SPLIT_ROWS)
+    tl.store(y_ptr + off, y)
 
 
 def check(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=None, fp_splits=None, kernel_kw=None, **kw):
@@ -86,8 +91,24 @@ def test_hadamard_rows_is_the_rotation(rows, d, split_rows, kdevice):
     g = torch.Generator().manual_seed(rows * d)
     x = torch.randn(rows, d, generator=g) * torch.logspace(0, 3, d)
     y = torch.empty_like(x, device=kdevice)
-    _rotate_rows_kernel[(1,)](x.to(kdevice), y, rows, d, split_rows)
+    _rotate_rows_kernel[(1,)](x.to(kdevice), y, 1.0, rows, d, split_rows, False)
     ref = x.double() @ (hadamard_matrix(d, "cpu", torch.float64) * d ** 0.5)
+    assert (y.cpu().double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+
+
+@pytest.mark.parametrize("rows,d", [(4, 64), (16, 128), (8, 256)])
+def test_hadamard_rows_of_fp16_rows(rows, d, kdevice):
+    """fp16 rows go into the first MMA as they are, and ``mid`` scales its sums before the second
+    (the encoder's form for fp16 tiles): still ``x @ (sqrt(D) H)`` to fp32 rounding, times ``mid``;
+    without the scale, the first MMA's sums of values near the fp16 maximum would overflow the
+    second's fp16 halves."""
+    g = torch.Generator().manual_seed(rows + d)
+    x = (torch.randn(rows, d, generator=g) * torch.logspace(0, 4.5, d)).clamp(-6e4, 6e4).half()
+    mid = 2.0 ** -16
+    y = torch.empty(rows, d, device=kdevice)
+    _rotate_rows_kernel[(1,)](x.to(kdevice), y, mid, rows, d, True, True)
+    ref = x.double() @ (hadamard_matrix(d, "cpu", torch.float64) * d ** 0.5) * mid
+    assert torch.isfinite(y).all()
     assert (y.cpu().double() - ref).abs().max() <= 1e-6 * ref.abs().max()
 
 

@@ -108,22 +108,24 @@ def test_encode_writes_records_in_place(kdevice):
     assert (records[:, :, 0] == 7).all()  # untouched slot
 
 
-def _model_frame(k, v, cfg):
-    """fp16 model-frame K/V ``[B, H, T, D]`` as the tail holds them, and their tiles as the flush
-    passes them: views (keys transposed), no copy."""
+def _model_frame(k, v, cfg, dtype=torch.float16):
+    """Model-frame K/V ``[B, H, T, D]`` as the tail holds them (fp16 unless told), and their tiles as
+    the flush passes them: views (keys transposed), no copy."""
     b, h, t, d = k.shape
-    k16, v16 = k.half(), v.half()
+    k16, v16 = k.to(dtype), v.to(dtype)
     n = t // cfg.tile
     return k16, v16, k16.reshape(b, h, n, cfg.tile, d).transpose(-1, -2), v16.reshape(b, h, n, cfg.tile, d)
 
 
-@pytest.mark.parametrize("bits", [(2, 2), (4, 2)])
-def test_encode_rotates_model_frame_tiles(bits, kdevice):
-    """rotate=True: the kernel's own rotation of fp16 model-frame tiles encodes as the torch codec
-    does the tiles rotated in torch (fp32)."""
+@pytest.mark.parametrize("bits,dtype", [((2, 2), torch.float16), ((4, 2), torch.float16),
+                                        ((4, 2), torch.bfloat16), ((2, 2), torch.float32)])
+def test_encode_rotates_model_frame_tiles(bits, dtype, kdevice):
+    """rotate=True: the kernel's own rotation of model-frame tiles encodes as the torch codec does
+    the tiles rotated in torch (fp32); fp16 tiles take the rotation's one-MMA first stage, bf16 and
+    fp32 ones the split one."""
     cfg = KVarNConfig(key_bits=bits[0], value_bits=bits[1], tile=64, sinkhorn_iters=4)
     k, v = synthetic_kv(1, 2, 128, 64, kdevice, seed=7 + bits[0])
-    k16, v16, kt16, vt16 = _model_frame(k, v, cfg)
+    k16, v16, kt16, vt16 = _model_frame(k, v, cfg, dtype)
     out = kernels.encode_tiles(kt16, vt16, cfg, rotate=True)
     kt, vt = rotated_tiles(k16.float(), v16.float(), cfg)
     flips, total, moved = compare(out, torch_encode(kt, vt, cfg), cfg, (kt, vt))
