@@ -274,6 +274,17 @@ def _rotate(x, D: tl.constexpr, inv_sqrt_d):
 
 
 @triton.jit
+def _frame_rows(raw, rot, D: tl.constexpr, inv_sqrt_d):
+    """Model-frame rows ``[R, D]`` as stored -> fp32, rotated (:func:`_rotate`) where ``rot``
+    (a tile's flag, or True)."""
+    if rot:
+        x = _rotate(raw, D, inv_sqrt_d)
+    else:
+        x = raw.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _field_offset(i0, i1, i2, s0, s1, s2):
     return i0.to(tl.int64) * s0 + i1.to(tl.int64) * s1 + i2.to(tl.int64) * s2
 
@@ -315,12 +326,7 @@ def _encode_tiles_kernel(
         if kv == 0:
             off = _field_offset(i0, i1, i2, k_s0, k_s1, k_s2)
             if ROTATE:  # model-frame keys: rotate each token (rows of [G, D]), then the tile is [D, G]
-                raw = _load_tile(k_ptr, off, k_sc, k_sr, G, D)
-                if rot:
-                    xt = _rotate(raw, D, inv_sqrt_d)
-                else:
-                    xt = raw.to(tl.float32)
-                xk = tl.trans(xt)
+                xk = tl.trans(_frame_rows(_load_tile(k_ptr, off, k_sc, k_sr, G, D), rot, D, inv_sqrt_d))
             else:
                 xk = _load_tile(k_ptr, off, k_sr, k_sc, D, G).to(tl.float32)
             _encode_one(
@@ -334,10 +340,7 @@ def _encode_tiles_kernel(
         else:
             raw = _load_tile(v_ptr, _field_offset(i0, i1, i2, v_s0, v_s1, v_s2), v_sr, v_sc, G, D)
             if ROTATE:
-                if rot:
-                    xv = _rotate(raw, D, inv_sqrt_d)
-                else:
-                    xv = raw.to(tl.float32)
+                xv = _frame_rows(raw, rot, D, inv_sqrt_d)
             else:
                 xv = raw.to(tl.float32)
             _encode_one(
