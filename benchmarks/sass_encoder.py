@@ -120,8 +120,10 @@ def main():
     launches = [_launch(x) for x in a.launches]
     configs = [KVarNConfig.from_name(p) for p in a.presets]  # an unknown preset is refused by name
     configs[0].record_bytes(a.head_dim)  # a head_dim the codec refuses is refused here
-    if not 32 <= a.head_dim <= 256:
-        raise SystemExit(f"--head-dim {a.head_dim}: the encoder rotates in the kernel for 32 <= D <= 256")
+    try:
+        encode.check_rotate_dim(a.head_dim)  # the cache's launch rotates in the kernel
+    except ValueError as exc:
+        raise SystemExit(f"--head-dim {a.head_dim}: {exc}") from None
     rows = []
     print("| preset | warps | register cap | registers | spill stack B | loop, the two paths | rest of a tile | a tile |")
     print("|---|---|---|---|---|---|---|---|")

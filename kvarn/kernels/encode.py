@@ -376,6 +376,12 @@ def _tile_flags(pairs, lead, name, device) -> list[torch.Tensor]:
     return [x.reshape(-1).to(device) for x in pairs]
 
 
+def check_rotate_dim(d: int) -> None:
+    """The head_dim range of the encoder's own rotation (``rotate``): 32 <= D <= 256."""
+    if not 32 <= d <= 256:
+        raise ValueError(f"rotation inside the encoder needs 32 <= D <= 256, got D={d}")
+
+
 def _launch_options(n_tiles: int, tile_elems: int, device: torch.device, quantiles: bool = False) -> dict:
     """Warps per program and register cap by launch size, from runs on the H200 (BENCHMARKS.md
     table 2; the cache flushes a layer at a time: 16 programs at batch 1, 256 at batch 16, on 132
@@ -457,8 +463,8 @@ def encode_tiles(
     config.record_bytes(d)  # validates head_dim
     if rotate is not None and rotate is not True and not isinstance(rotate, tuple):
         raise ValueError(f"rotate must be None, True or (key_rotate, value_rotate), got {rotate!r}")
-    if rotate is not None and not (32 <= d <= 256):
-        raise ValueError(f"rotation inside the encoder needs 32 <= D <= 256, got D={d}")
+    if rotate is not None:
+        check_rotate_dim(d)
     check_device(k_tiles, v_tiles)
     dev = k_tiles.device
     if slot is not None:
