@@ -17,11 +17,13 @@ rotated (the others are stored in the model frame).
 
 Differences from the torch twin, by design: the unbiased standard deviations are two-pass sums in a
 different reduction order, two of each iteration's four are derived from earlier ones (see
-``_encode_one``), the others are taken of ``X * exp(-a)`` (rows) and ``X * exp(-b)`` (columns),
-products fused into the sums and deviations (FMAs), and then scaled; the loop keeps the
+``_encode_one``), the others are taken of ``X * exp(-a) / sqrt(C - 1)`` (rows) and
+``X * exp(-b) / sqrt(R - 1)`` (columns: the unbiased divisors go into the scales' exp), products
+fused into the sums and deviations (FMAs), and then scaled; the loop keeps the
 log-scales in log2 units and the deviations as log2 of the std (half the log2 of the variance, no
 square root), clamped at the spec's bounds in those units, and the imbalance is ``2^(max - min)``
-of them; divisions are multiplications by ``exp(-b)``, ``exp(-a)`` and ``1 / step``, ``exp`` and
+of them; divisions are multiplications by ``exp(-b)``, ``exp(-a)`` and ``1 / step`` (``(Y - lo) / step``
+as one FMA of ``X exp(-a)``, ``X exp(-a) (exp(-b) / step) - lo / step``), ``exp`` and
 ``log`` are the GPU's ``ex2.approx`` and ``lg2.approx`` (``tl.exp2`` and ``tl.log2`` under the
 interpreter; in the loop their ``.ftz`` forms: the clamped scales keep every argument and result
 normal, so only the subnormal handling is left out); fp16 tiles are rotated with their first
@@ -43,6 +45,7 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import constexpr_function
 
 from ..codec import TileFields
 from ..config import KVarNConfig
@@ -52,24 +55,34 @@ from .layout import (check_device, check_fields, check_launch_knobs, empty_field
                      num_sms)
 
 
+@constexpr_function
+def _lg2_rsqrt(n):
+    """log2(1 / sqrt(n)), a compile-time constant."""
+    return -0.5 * math.log2(n)
+
+
 @triton.jit
 def _lg2_std_cols(x, f, R: tl.constexpr, ASM: tl.constexpr):
-    """log2 of the unbiased std of each column of ``x * f[:, None]`` (over rows), two-pass:
-    ``x [R, C]`` -> ``[C]``. The scaled tile is never formed: the products fuse into the sum's
-    additions where the compiler pairs them (its in-thread sums are trees: about 1.4 instructions
-    a value), the deviations are ``fma(x, f, -mean)``, and only ``x`` stays live. The loop works on
-    log2 deviations: half the log2 of the variance, no square root per copy of a vector."""
+    """log2 of the unbiased std of each column of ``x * f[:, None] * sqrt(R - 1)`` (over rows),
+    two-pass: ``x [R, C]`` -> ``[C]``. ``f`` carries the unbiased divisor ``1 / sqrt(R - 1)`` (an
+    addend in the ex2 of the loop's scales, where it takes the place of their negation), so the sum
+    of squares is the variance: no multiply per copy of the result. The scaled tile is never
+    formed: the products fuse into the sum's additions where the compiler pairs them (its in-thread
+    sums are trees: about 1.4 instructions a value), the deviations are ``fma(x, f, -mean)``, and
+    only ``x`` stays live. The loop works on log2 deviations: half the log2 of the variance, no
+    square root per copy of a vector."""
     mean = tl.sum(x * f[:, None], axis=0) * (1.0 / R)
     dev = tl.fma(x, f[:, None], -mean[None, :])
-    return _lg2(tl.sum(dev * dev, axis=0) * (1.0 / (R - 1)), ASM) * 0.5
+    return _lg2(tl.sum(dev * dev, axis=0), ASM) * 0.5
 
 
 @triton.jit
 def _lg2_std_rows(x, e, C: tl.constexpr, ASM: tl.constexpr):
-    """log2 of the unbiased std of each row of ``x * e[None, :]`` (over columns): ``[R, C]`` -> ``[R]``."""
+    """log2 of the unbiased std of each row of ``x * e[None, :] * sqrt(C - 1)`` (over columns):
+    ``[R, C]`` -> ``[R]``; ``e`` carries ``1 / sqrt(C - 1)`` (:func:`_lg2_std_cols`)."""
     mean = tl.sum(x * e[None, :], axis=1) * (1.0 / C)
     dev = tl.fma(x, e[None, :], -mean[:, None])
-    return _lg2(tl.sum(dev * dev, axis=1) * (1.0 / (C - 1)), ASM) * 0.5
+    return _lg2(tl.sum(dev * dev, axis=1), ASM) * 0.5
 
 
 @triton.jit
@@ -106,8 +119,8 @@ def _lg2(x, ASM: tl.constexpr):
 @triton.jit
 def _ex2(x, ASM: tl.constexpr):
     """2^x: ``ex2.approx.ftz`` (what ``tl.exp2`` emits, without the subnormal fix-up: the loop's
-    scales are in [4.5e-5, 1.35], and an imbalance is 0 or at least 2^-100); the interpreter takes
-    ``tl.exp2``."""
+    scales are in [4.5e-5, 1.35] times 1 / sqrt(n - 1), and an imbalance is 0 or at least 2^-100);
+    the interpreter takes ``tl.exp2``."""
     if ASM:
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
                                          is_pure=True, pack=1)
@@ -181,8 +194,11 @@ def _encode_one(
     # either (_lg2_std_rows), so only X is live and a pass costs about three operations per value
     # (the product in the sum, the deviation, its square; mostly FMAs): at 8 warps 64 registers a
     # thread hold the tile, and under a 128-register cap two programs share an SM (_launch_options).
-    ones_r = tl.full([R], 1.0, tl.float32)
-    ones_c = tl.full([C], 1.0, tl.float32)
+    # The scale vectors carry the unbiased divisors, 1 / sqrt(n - 1) (_lg2_std_cols).
+    KR: tl.constexpr = _lg2_rsqrt(R - 1)
+    KC: tl.constexpr = _lg2_rsqrt(C - 1)
+    ones_r = tl.full([R], (R - 1) ** -0.5, tl.float32)
+    ones_c = tl.full([C], (C - 1) ** -0.5, tl.float32)
     lcs = _lg2_std_cols(x, ones_r, R, ASM)  # log2 deviations of Y's columns (Y = X before any update)
     lrs = _lg2_std_rows(x, ones_c, C, ASM)
     best = _score(lcs, lrs, ASM)
@@ -190,10 +206,10 @@ def _encode_one(
     best_b = b2
     for _ in range(ITERS):
         a2 = tl.minimum(tl.maximum(a2 + tl.minimum(tl.maximum(lcs, _LG2_1E_3), _LG2_1E3), _A_LO), _A_HI)
-        ea = _ex2(-a2, ASM)
+        ea = _ex2(KC - a2, ASM)
         hr = _lg2_std_rows(x, ea, C, ASM)  # rows of X * exp(-a): Y's rows before the row update, plus b2
         b2 = tl.minimum(tl.maximum(b2 + tl.minimum(tl.maximum(hr - b2, _LG2_1E_3), _LG2_1E3), _A_LO), _A_HI)
-        eb = _ex2(-b2, ASM)
+        eb = _ex2(KR - b2, ASM)
         lrs = hr - b2  # the rows of Y after the row update
         lcs = _lg2_std_cols(x, eb, R, ASM) - a2
         m = _score(lcs, lrs, ASM)
@@ -204,19 +220,26 @@ def _encode_one(
 
     col_scale = tl.exp2(best_a)
     row_scale = tl.exp2(best_b)
-    y = x * tl.exp2(-best_b)[:, None] * tl.exp2(-best_a)[None, :]
+    eb = tl.exp2(-best_b)
+    z = x * tl.exp2(-best_a)[None, :]  # Y = z * exp(-b), row by row; formed only for the quantiles
 
     QMAX: tl.constexpr = (1 << BITS) - 1
     if QUANT:  # the rows' [q, 1 - q] quantiles (config.key_quantile / value_quantile > 0)
+        y = z * eb[:, None]
         b0, b1 = _order_stats(y, LO0, LO1, True, C)
         lo = _lerp(b0, b1, c_lo)
         a1, a0 = _order_stats(y, C - 1 - HI1, C - 1 - HI0, False, C)  # sorted ranks HI0 <= HI1, from the top
         hi = _lerp(a0, a1, c_hi)
-    else:
-        lo = tl.min(y, axis=1)
-        hi = tl.max(y, axis=1)
+    else:  # a row's extremes of z times exp(-b) > 0: Y's extremes, the same values (rounding is monotone)
+        lo = tl.min(z, axis=1) * eb
+        hi = tl.max(z, axis=1) * eb
     step = tl.maximum((hi - lo) / QMAX, 1e-10)
-    t = (y - lo[:, None]) * (1.0 / step)[:, None]
+    inv = 1.0 / step
+    # (Y - lo) / step as one FMA a value, z (exp(-b) / step) - lo / step. Its error is about
+    # 2^-23 |lo| / step, so a code differs from the twin's only where t is that close to a half
+    # integer, where both codes reconstruct within half a step plus that much (lo's own fp32
+    # precision, when a row's range is tiny next to its offset).
+    t = tl.fma(z, (eb * inv)[:, None], (-lo * inv)[:, None])
     # Clamped before rounding (the same codes: rounding is monotone and keeps the integer bounds).
     # t + M with M = 1.5 * 2^23 rounds fp32 t in [0, QMAX] half to even into the low mantissa bits,
     # whose pattern is M's (low 22 bits zero) plus the code: the code is those bits, no conversion.
@@ -265,7 +288,11 @@ def _rotate(x, D: tl.constexpr, inv_sqrt_d):
     after): values past the fp16 range (bf16 or fp32 models) and tiny ones keep fp32's relative
     precision. fp16 rows go into the first MMA as they are (exact) and its sums are scaled before
     the second: one MMA fewer and no fp16 split of the input (fp16 models, the cache's usual tail)."""
-    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0).to(tl.float32)
+    if x.dtype == tl.float16:  # each thread's 8-value runs first: one max in registers, not shuffles per row
+        amax = tl.max(tl.max(tl.max(tl.reshape(tl.abs(x), [x.shape[0], D // 8, 8]), axis=2), axis=0), axis=0)
+    else:
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    amax = amax.to(tl.float32)
     scale = tl.exp2(tl.where(amax > 0, tl.ceil(tl.log2(amax)), 0.0))
     if x.dtype == tl.float16:
         return hadamard_rows(x, D, True, 1.0 / scale) * (inv_sqrt_d * scale)
