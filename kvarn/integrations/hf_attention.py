@@ -78,7 +78,6 @@ class FusedKVarNLayer(KVarNLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._dev_len = torch.zeros(3, self.batch, dtype=torch.int32, device=self.device)
-        self._rows = torch.arange(self.batch, device=self.device)[:, None]
         if self.max_length is not None:
             g, s = self.tile, self.sink_tokens
             cap = max(1, -(-max(0, self.max_length - s) // g))
@@ -114,7 +113,6 @@ class FusedKVarNLayer(KVarNLayer):
         super()._select(index)
         self._ahead = None
         self._dev_len = torch.zeros(3, self.batch, dtype=torch.int32, device=self.device)
-        self._rows = torch.arange(self.batch, device=self.device)[:, None]
         self._sync_lengths()
 
     # decode step ----------------------------------------------------------------------------------
@@ -164,7 +162,8 @@ class FusedKVarNLayer(KVarNLayer):
         # only the device lengths (the host's are advanced below): counted from the host tail, the
         # update that freezes a full tail would grow its buffer by a token, and a buffer resized in
         # a captured step is a new address that the other captured steps never see.
-        frozen = self.tiles_due() * self.tile
+        due = self.tiles_due()
+        frozen = due * self.tile
         if steady:
             self._flush_device()
         else:
@@ -176,7 +175,7 @@ class FusedKVarNLayer(KVarNLayer):
             if sum(self.sink_len) + sum(self.store.counts) != moved:  # a freeze only ever moves tail tokens
                 self._sync_lengths()
         self._ensure_tail(max(self.tail_len) - frozen + q)
-        self._append_device(key_states, value_states)
+        self._append_device(key_states, value_states, due)
         self._read_pending = steady and q == 1  # read_done starts the encode if this token completed a tile
         if steady:
             self.advance(q)
@@ -257,8 +256,8 @@ class FusedKVarNLayer(KVarNLayer):
 
     def _flush_device(self) -> None:
         """Encode the complete tiles at the start of the tail (same count in every row) into the
-        next slots, unless :meth:`flush_ahead` did; device lengths advanced in place. Host lists are
-        advanced by :meth:`advance`."""
+        next slots, unless :meth:`flush_ahead` did. The device lengths are advanced by the append
+        that follows (:meth:`_append_device`), the host lists by :meth:`advance`."""
         n = self.tiles_due()
         ahead, self._ahead = self._ahead, None
         if not n:
@@ -273,24 +272,15 @@ class FusedKVarNLayer(KVarNLayer):
         if r:  # only after a multi-token update; a decode step of one token leaves nothing behind
             self.tail_k[:, :, :r] = self.tail_k[:, :, n * g:t].clone()
             self.tail_v[:, :, :r] = self.tail_v[:, :, n * g:t].clone()
-        self._dev_len[1].add_(n)
-        self._dev_len[2].sub_(n * g)
 
-    def _append_device(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write ``[B, Hk, q, D]`` at each row's tail length as the device holds it."""
-        q = k.shape[-2]
-        k, v = k.to(self.dtype), v.to(self.dtype)
-        if self._lockstep:  # one position for every row: a plain indexed copy along the tokens
-            pos = self._dev_len[2, :1].long()
-            if q > 1:
-                pos = pos + torch.arange(q, device=self.device)
-            self.tail_k.index_copy_(2, pos, k)
-            self.tail_v.index_copy_(2, pos, v)
-        else:
-            cols = self._dev_len[2].long()[:, None] + torch.arange(q, device=self.device)  # [B, q]
-            self.tail_k.transpose(1, 2)[self._rows, cols] = k.transpose(1, 2)
-            self.tail_v.transpose(1, 2)[self._rows, cols] = v.transpose(1, 2)
-        self._dev_len[2].add_(q)
+    def _append_device(self, k: torch.Tensor, v: torch.Tensor, frozen: int = 0) -> None:
+        """Write ``[B, Hk, q, D]`` at each row's tail length as the device holds it, less the
+        ``frozen`` tiles this update's flush took out of the tail, and advance the device lengths:
+        one launch (:func:`kvarn.kernels.tail.append_tail`; as torch ops it was four a step, six
+        in a freezing one, each on a captured step's critical path)."""
+        from ..kernels.tail import append_tail
+
+        append_tail(self.tail_k, self.tail_v, k, v, self._dev_len, frozen, self.tile)
 
     def fused_inputs(self) -> dict:
         """Arguments of :func:`kvarn.kernels.decode_attention` for the current state.

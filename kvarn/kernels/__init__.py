@@ -4,6 +4,7 @@
 |---|---|
 | :func:`encode_tiles` (``_encode_tiles_kernel``) | :func:`kvarn.codec.encode_tiles` |
 | :func:`decode_attention` (``_decode_attention_kernel``) | :func:`kvarn.attention.decode_attention` |
+| :func:`kvarn.kernels.tail.append_tail` (``_append_tail_kernel``) | the indexed write of a decode step's K/V at each row's tail length (``tests/kernels/test_tail.py``) |
 
 Importing this package needs triton. The kernels run on CUDA tensors, or on CPU tensors under
 triton's interpreter (``TRITON_INTERPRET=1``, set before triton is imported); anything else raises.

@@ -189,11 +189,12 @@ def test_simulated_replay_catches_a_host_position(fused_model, kdevice, monkeypa
     good_cache = _fused(model, max_length=PROMPT + NEW)
     good = hf_graph.decode_greedy(model, good_cache, ids, NEW, capture="simulate")
 
-    def host_append(self, k, v):
-        t, q = self.tail_len[0], k.shape[-2]
+    def host_append(self, k, v, frozen=0):
+        t, q = self.tail_len[0] - frozen * self.tile, k.shape[-2]
         self.tail_k[:, :, t:t + q] = k
         self.tail_v[:, :, t:t + q] = v
-        self._dev_len[2].add_(q)
+        self._dev_len[1].add_(frozen)
+        self._dev_len[2].add_(q - frozen * self.tile)
 
     monkeypatch.setattr(hf_attention.FusedKVarNLayer, "_append_device", host_append)
     eager = hf_graph.decode_greedy(model, _fused(model, max_length=PROMPT + NEW), ids, NEW, capture="none")
