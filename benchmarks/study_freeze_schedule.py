@@ -51,6 +51,8 @@ SCHEDULES = {  # name: (early layers, programs, launch options, step stream prio
     "split_w16": (DEFAULT, DEFAULT, W16, False),
     "split_p16_w16": (DEFAULT, 16, W16, False),
     "split_p66_w16": (DEFAULT, 66, W16, False),
+    "split_e2": (2, DEFAULT, None, False),
+    "split_e3": (3, DEFAULT, None, False),
     "split_e4": (4, DEFAULT, None, False),
     "split_e5": (5, DEFAULT, None, False),
     "split_e6": (6, DEFAULT, None, False),
