@@ -44,6 +44,8 @@ SCHEDULES = {  # name: (early layers, programs, launch options, step stream prio
     "split_uncapped": (DEFAULT, None, None, False),
     "split_p16": (DEFAULT, 16, None, False),
     "split": (DEFAULT, DEFAULT, None, False),
+    "split_p24": (DEFAULT, 24, None, False),
+    "split_p44": (DEFAULT, 44, None, False),
     "split_p66": (DEFAULT, 66, None, False),
     "split_r128": (DEFAULT, DEFAULT, R128, False),
     "split_w4": (DEFAULT, DEFAULT, W4, False),
