@@ -71,7 +71,8 @@ def append_tail(tail_k: torch.Tensor, tail_v: torch.Tensor, k: torch.Tensor, v: 
         raise ValueError(f"append_tail: k, v must be [B, Hk, q, D] and the tails [B, Hk, R, D] alike, got k "
                          f"{tuple(k.shape)}, v {tuple(v.shape)}, tails {tuple(tail_k.shape)}, {tuple(tail_v.shape)}")
     if tail_k.stride() != tail_v.stride():
-        raise ValueError("append_tail: tail_k and tail_v must have the same strides")
+        raise ValueError(f"append_tail: tail_k and tail_v must have the same strides, got {tail_k.stride()} "
+                         f"and {tail_v.stride()}")
     if lengths.dtype != torch.int32 or tuple(lengths.shape) != (3, b) or not lengths.is_contiguous():
         raise ValueError(f"append_tail: lengths must be contiguous int32 [3, {b}], got {lengths.dtype} "
                          f"{tuple(lengths.shape)}")

@@ -58,5 +58,7 @@ def test_append_tail_errors(kdevice):
         append_tail(tail, tail, k, k, good.long(), 0, 8)
     with pytest.raises(ValueError, match="k, v must be"):
         append_tail(tail, tail, k, k[:, :, :, :32], good, 0, 8)
+    with pytest.raises(ValueError, match=r"same strides, got \(512, 512, 64, 1\) and \(1024, 1024, 64, 1\)"):
+        append_tail(tail, torch.zeros(2, 1, 16, 64, device=kdevice).half()[:, :, :8], k, k, good, 0, 8)
     with pytest.raises(ValueError, match="frozen must be a tile count >= 0, got -1"):
         append_tail(tail, tail, k, k, good, -1, 8)
