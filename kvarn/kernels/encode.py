@@ -197,10 +197,10 @@ def _encode_one(
     # The scale vectors carry the unbiased divisors, 1 / sqrt(n - 1) (_lg2_std_cols).
     KR: tl.constexpr = _lg2_rsqrt(R - 1)
     KC: tl.constexpr = _lg2_rsqrt(C - 1)
-    ones_r = tl.full([R], (R - 1) ** -0.5, tl.float32)
-    ones_c = tl.full([C], (C - 1) ** -0.5, tl.float32)
-    lcs = _lg2_std_cols(x, ones_r, R, ASM)  # log2 deviations of Y's columns (Y = X before any update)
-    lrs = _lg2_std_rows(x, ones_c, C, ASM)
+    id_r = tl.full([R], (R - 1) ** -0.5, tl.float32)  # the identity's scales, exp(0) / sqrt(n - 1)
+    id_c = tl.full([C], (C - 1) ** -0.5, tl.float32)
+    lcs = _lg2_std_cols(x, id_r, R, ASM)  # log2 deviations of Y's columns (Y = X before any update)
+    lrs = _lg2_std_rows(x, id_c, C, ASM)
     best = _score(lcs, lrs, ASM)
     best_a = a2
     best_b = b2
