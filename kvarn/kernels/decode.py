@@ -11,7 +11,9 @@ done in registers (:func:`decode_blocks.hadamard_rows`: two 16-wide MMAs over th
 factors of H), so no program reads H. At batch 1 the merge is the serial tail of the launch; the
 tree keeps it short enough that many short splits pay (launch_plan). A tile's fields are loaded together
 (:func:`decode_blocks.tile_load`); with ``num_stages`` >= 2 Triton's pipeline copies tile n+1's
-fields to shared memory while tile n is computed, so the loop does not wait on memory.
+fields to shared memory while tile n is computed, so the loop does not wait on memory. The sink
+and tail programs use 32-token K and V blocks as stored (:func:`decode_blocks.fp_block`) in two
+loops that end at the sink's and the tail's lengths, pipelined the same way.
 :func:`launch_plan` picks warps, register cap, stages and waves.
 
 Orientation: both products are transposed, so the packed codes are the left (register) operand
@@ -52,7 +54,7 @@ import triton.language as tl
 from ..attention import check_decode_inputs, head_flags
 from ..codec import FIELD_ORDER, TileFields
 from ..config import KVarNConfig
-from .decode_blocks import fp_block, hadamard_rows, hilo, merge_range, store_output, store_partial, tile_load, tile_step
+from .decode_blocks import fp_block, fp_result, hadamard_rows, hilo, merge_range, store_output, store_partial, tile_load, tile_step
 from .layout import check_device, check_launch_knobs, empty_fields, interpreting, lead_strides, num_sms
 
 LOG2E = 1.4426950408889634
@@ -109,7 +111,6 @@ def _decode_attention_kernel(
     h64 = h.to(tl.int64)
     PV: tl.constexpr = 8 // VB
     DP: tl.constexpr = D // PV
-    S_BLOCKS = tl.cdiv(S_CAP, BLOCK_N)
 
     rows = tl.arange(0, M)
     row_ok = rows < GROUP * TQ
@@ -147,14 +148,17 @@ def _decode_attention_kernel(
             lim = t_len - TQ + 1 + qi
         else:
             lim = big
-        n_blocks = S_BLOCKS + tl.cdiv(R_CAP, BLOCK_N)
-        for blk in range(sp, n_blocks, FP_SPLITS):
-            if blk < S_BLOCKS:
-                m_i, l_i, accs = fp_block(bq, sk_ptr, sv_ptr, b64 * s_sb + h64 * s_sh, s_sn,
-                                          blk * BLOCK_N, s_len, big, m_i, l_i, accs, D, PV, BLOCK_N)
-            else:
-                m_i, l_i, accs = fp_block(bq, tk_ptr, tv_ptr, b64 * t_sb + h64 * t_sh, t_sn,
-                                          (blk - S_BLOCKS) * BLOCK_N, t_len, lim, m_i, l_i, accs, D, PV, BLOCK_N)
+        # Blocks past a length are skipped (all their tokens are masked: skipping changes no bit),
+        # so a short tail costs only its own blocks. Round robin over the fp splits: sink block j
+        # and tail block j go to split j % FP_SPLITS.
+        acc = tl.zeros([2 * M, D], tl.float32)
+        for blk in range(sp, tl.cdiv(s_len, BLOCK_N), FP_SPLITS):
+            m_i, l_i, acc = fp_block(bq, sk_ptr, sv_ptr, b64 * s_sb + h64 * s_sh, s_sn,
+                                     blk * BLOCK_N, s_len, big, m_i, l_i, acc, D, BLOCK_N)
+        for blk in range(sp, tl.cdiv(t_len, BLOCK_N), FP_SPLITS):
+            m_i, l_i, acc = fp_block(bq, tk_ptr, tv_ptr, b64 * t_sb + h64 * t_sh, t_sn,
+                                     blk * BLOCK_N, t_len, lim, m_i, l_i, acc, D, BLOCK_N)
+        accs = fp_result(acc, PV)
     else:
         n_len = tl.load(n_len_ptr + b) if N_LEN else NT_CAP
         t_start = (sp - FP_SPLITS) * TILES_PER_SPLIT
@@ -239,8 +243,8 @@ def plan_splits(batch_heads: int, n_tiles: int, fp_tokens: int, device: torch.de
     MIN_TILES_PER_SPLIT tiles per split and at most MAX_SPLITS splits: the merge tree takes
     MAX_SPLITS partials in two short levels (groups of MERGE_GROUP, then 16 group results), and
     shorter splits would cost their fixed part (query rotation, prologue) for less than 2 tiles.
-    The fp region (a BLOCK_N block of fp16 tokens reads as much as ~3 tiles) is split when the
-    tiles alone leave room.
+    The fp region is split when the tiles alone leave room (at B x Hk >= 64 one fp program per
+    pair; two with one tile split fewer measured slower, BENCHMARKS.md table 1, session 20).
     """
     full = PROGRAMS_PER_SM * num_sms(device)
     want = max(1, -(-2 * full // batch_heads) if waves == 2 else full // batch_heads)

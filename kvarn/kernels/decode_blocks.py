@@ -152,19 +152,26 @@ def hadamard_rows(x, D: tl.constexpr, SPLIT_ROWS: tl.constexpr = False, mid=None
 
 @triton.jit
 def fp_block(
-    bq, k_ptr, v_ptr, base, s_n, n0, n_len, lim, m_i, l_i, accs,
-    D: tl.constexpr, PV: tl.constexpr, BLOCK_N: tl.constexpr,
+    bq, k_ptr, v_ptr, base, s_n, n0, n_len, lim, m_i, l_i, acc,
+    D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Online-softmax update of the transposed state with BLOCK_N full-precision tokens from n0.
 
     bq: the scaled query, transposed and split (:func:`hilo`), ``[D, 2M]``; lim ``[M]``: positions
-    visible to each query row; accs: PV accumulators ``[D / PV, M]``, accumulator j for channels
-    ``PV * c + j`` (the order the V tiles' bit planes produce), filled here by strided loads.
+    visible to each query row; acc: the PV accumulator ``[2M, D]``, rows 2m and 2m + 1 the products
+    of the high and low halves of row m's weights (the split keeps ~22 bits because V, the other
+    operand, is exact in fp16; :func:`fp_result` adds the halves once per program). K and V enter
+    the MMAs as stored (K on the left, V on the right): whole rows in wide loads, which Triton's
+    pipeline turns into async copies of the next block, and no transposition in registers (the
+    V products in the tiles' channel order took strided 2-byte loads: 830 instructions a block
+    against 690, and 3x the time; BENCHMARKS.md table 1).
     """
     offs = n0 + tl.arange(0, BLOCK_N)
     ok = offs < n_len
     d = tl.arange(0, D)
-    k = tl.load(k_ptr + base + offs[:, None] * s_n + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
+    rows = base + offs[:, None] * s_n + d[None, :]
+    k = tl.load(k_ptr + rows, mask=ok[:, None], other=0.0).to(tl.float16)
+    v = tl.load(v_ptr + rows, mask=ok[:, None], other=0.0).to(tl.float16)
     s = pair_sum(tl.dot(k, bq))  # [BLOCK_N, M], log2 domain (scale folded into the query)
     vis = ok[:, None] & (offs[:, None] < lim[None, :])
     s = tl.where(vis, s, float("-inf"))
@@ -173,13 +180,44 @@ def fp_block(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[None, :])
     l_i = l_i * alpha + tl.sum(p, axis=0)
-    bp = hilo(p)
-    c = tl.arange(0, D // PV)
-    new = ()
-    for j in tl.static_range(PV):
-        v = tl.load(v_ptr + base + offs[:, None] * s_n + (c * PV + j)[None, :], mask=ok[:, None], other=0.0)
-        new = new + (accs[j] * alpha[None, :] + pair_sum(tl.dot(tl.trans(v.to(tl.float16)), bp)),)
-    return m_new, l_i, new
+    alpha2 = tl.reshape(tl.join(alpha, alpha), [2 * alpha.shape[0]])  # each row's factor for both halves
+    acc = acc * alpha2[:, None] + tl.dot(tl.trans(hilo(p)), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def fp_result(acc, PV: tl.constexpr):
+    """:func:`fp_block`'s accumulator ``[2M, D]`` -> the tiles' PV accumulators ``[D / PV, M]``."""
+    m: tl.constexpr = acc.shape[0] // 2
+    d: tl.constexpr = acc.shape[1]
+    hi, lo = tl.split(tl.permute(tl.reshape(acc, [m, 2, d]), (2, 0, 1)))  # [D, M] each
+    return channel_groups(hi + lo, PV, m)
+
+
+@triton.jit
+def channel_groups(x, PV: tl.constexpr, M: tl.constexpr = 0):
+    """``[D]`` (M = 0) or ``[D, M]`` -> PV tensors ``[D / PV]`` or ``[D / PV, M]``, group j holding
+    channels ``PV c + j`` (the order of the V tiles' bit planes)."""
+    D: tl.constexpr = x.shape[0]
+    if PV == 1:
+        out = (x,)
+    elif PV == 2:
+        if M == 0:
+            y = tl.reshape(x, [D // 2, 2])
+        else:
+            y = tl.permute(tl.reshape(x, [D // 2, 2, M]), (0, 2, 1))
+        c0, c1 = tl.split(y)
+        out = (c0, c1)
+    else:  # channel 4c + 2a + b: split on b, then on a
+        if M == 0:
+            y = tl.reshape(x, [D // 4, 2, 2])
+        else:
+            y = tl.permute(tl.reshape(x, [D // 4, 2, 2, M]), (0, 3, 1, 2))
+        e, o = tl.split(y)
+        c0, c2 = tl.split(e)
+        c1, c3 = tl.split(o)
+        out = (c0, c1, c2, c3)
+    return out
 
 
 @triton.jit
@@ -207,17 +245,7 @@ def tile_load(
     # The V column scales in one load (wide enough for an async copy), split into the PV channel
     # groups of the V bit planes: group j is channels PV c + j.
     cv = tl.load(vcs_ptr + b64 * vcs_sb + h64 * vcs_sh + n64 * vcs_sn + d)
-    if PV == 1:
-        cvs = (cv,)
-    elif PV == 2:
-        c0, c1 = tl.split(tl.reshape(cv, [D // 2, 2]))
-        cvs = (c0, c1)
-    else:
-        e, o = tl.split(tl.reshape(cv, [D // 4, 2, 2]))  # channel 4c + 2a + b: e is b = 0, o is b = 1
-        c0, c2 = tl.split(e)
-        c1, c3 = tl.split(o)
-        cvs = (c0, c1, c2, c3)
-    return kc, vc, sk, zk, rk, sv, zv, cvs
+    return kc, vc, sk, zk, rk, sv, zv, channel_groups(cv, PV)
 
 
 @triton.jit
