@@ -169,9 +169,9 @@ def fp_block(
     offs = n0 + tl.arange(0, BLOCK_N)
     ok = offs < n_len
     d = tl.arange(0, D)
-    rows = base + offs[:, None] * s_n + d[None, :]
-    k = tl.load(k_ptr + rows, mask=ok[:, None], other=0.0).to(tl.float16)
-    v = tl.load(v_ptr + rows, mask=ok[:, None], other=0.0).to(tl.float16)
+    at = base + offs[:, None] * s_n + d[None, :]  # [BLOCK_N, D] element offsets, K and V alike
+    k = tl.load(k_ptr + at, mask=ok[:, None], other=0.0).to(tl.float16)
+    v = tl.load(v_ptr + at, mask=ok[:, None], other=0.0).to(tl.float16)
     s = pair_sum(tl.dot(k, bq))  # [BLOCK_N, M], log2 domain (scale folded into the query)
     vis = ok[:, None] & (offs[:, None] < lim[None, :])
     s = tl.where(vis, s, float("-inf"))
