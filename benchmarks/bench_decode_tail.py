@@ -23,16 +23,20 @@ import torch
 from bench_decode_attention import bench, cycling, random_fields
 from kvarn import kernels
 from kvarn.config import KVarNConfig
-from kvarn.kernels.decode import PROGRAMS_PER_SM, WIDE_BATCH
-from kvarn.kernels.layout import num_sms
+from kvarn.kernels.decode import WIDE_BATCH, plan_splits
 
 HQ, HK, D, SINK = 32, 8, 128, 128  # Llama-3.1-8B's attention
+
+
+def n_tiles(t, cfg):
+    """Whole tiles between the sink and a full tail buffer in a ``t``-token context."""
+    return (t - SINK) // cfg.tile - 1
 
 
 def case(b, t, tail, cfg, dev, kw, with_tiles=True):
     """make() for one copy of a fused-cache-like decode: sink, ``t`` tokens in tiles, a G-token
     tail buffer holding ``tail`` tokens."""
-    n = (t - SINK) // cfg.tile - 1
+    n = n_tiles(t, cfg)
 
     def make():
         q = torch.randn(b, HQ, 1, D, device=dev, dtype=torch.float16)
@@ -59,7 +63,7 @@ def run(batches, contexts, tails, preset, alt_fp, cold_bytes):
                 make, nbytes = case(b, t, tail, cfg, dev, {})
                 row["planned_us"] = bench(cycling(make, nbytes, cold_bytes)) * 1e6
                 if alt_fp and b * HK >= WIDE_BATCH:  # one wave: the default plan's tile splits, minus one
-                    splits = PROGRAMS_PER_SM * num_sms(dev) // (b * HK) - 1
+                    splits = plan_splits(b * HK, n_tiles(t, cfg), SINK + cfg.tile, dev, waves=1)[0] - 1
                     make, nbytes = case(b, t, tail, cfg, dev, {"num_splits": splits, "fp_splits": alt_fp})
                     row["alt_fp_us"] = bench(cycling(make, nbytes, cold_bytes)) * 1e6
                 if i == 0:  # the fp programs do not depend on the context
