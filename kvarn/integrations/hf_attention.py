@@ -273,7 +273,7 @@ class FusedKVarNLayer(KVarNLayer):
             self.tail_k[:, :, :r] = self.tail_k[:, :, n * g:t].clone()
             self.tail_v[:, :, :r] = self.tail_v[:, :, n * g:t].clone()
 
-    def _append_device(self, k: torch.Tensor, v: torch.Tensor, frozen: int = 0) -> None:
+    def _append_device(self, k: torch.Tensor, v: torch.Tensor, frozen: int) -> None:
         """Write ``[B, Hk, q, D]`` at each row's tail length as the device holds it, less the
         ``frozen`` tiles this update's flush took out of the tail, and advance the device lengths:
         one launch (:func:`kvarn.kernels.tail.append_tail`; as torch ops it was four a step, six

@@ -189,7 +189,7 @@ def test_simulated_replay_catches_a_host_position(fused_model, kdevice, monkeypa
     good_cache = _fused(model, max_length=PROMPT + NEW)
     good = hf_graph.decode_greedy(model, good_cache, ids, NEW, capture="simulate")
 
-    def host_append(self, k, v, frozen=0):
+    def host_append(self, k, v, frozen):
         t, q = self.tail_len[0] - frozen * self.tile, k.shape[-2]
         self.tail_k[:, :, t:t + q] = k
         self.tail_v[:, :, t:t + q] = v

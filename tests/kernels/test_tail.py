@@ -38,8 +38,9 @@ def test_append_tail_matches_the_indexed_write(q, frozen, kdevice):
 
 
 def test_append_tail_never_writes_outside_the_tail(kdevice):
-    """A device length at the end of its buffer: the token is not written past it (into the next
-    row's tail here), and the length still advances as the host's does."""
+    """A device length at the end of its buffer: the token is not written past it (into the slot
+    after row 0's tail in the underlying buffer here), and the length still advances as the host's
+    does."""
     buf = torch.zeros(2, 1, 9, 64, device=kdevice).half()
     tail_k, tail_v = buf[:, :, :8], buf.clone()[:, :, :8]  # row 0's position 8 is row 0's slack slot
     k = torch.ones(2, 1, 1, 64, device=kdevice)
