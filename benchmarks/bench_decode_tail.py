@@ -94,6 +94,8 @@ def main():
     ap.add_argument("--cold-bytes", type=int, default=256 << 20)
     ap.add_argument("--out", default="benchmarks/results/decode_tail.json")
     a = ap.parse_args()
+    if a.alt_fp_splits < 0:
+        raise SystemExit(f"--alt-fp-splits {a.alt_fp_splits}: 0 (off) or a number of fp programs >= 1")
     g = KVarNConfig.from_name(a.preset).tile
     if any(not 1 <= r <= g for r in a.tails):
         raise SystemExit(f"--tails {a.tails}: each must be 1..{g} (the tail buffer holds one tile of {a.preset})")
