@@ -20,7 +20,7 @@ With ``flush_ahead`` (the default) the encode starts in the ``fill`` step, on a 
 as soon as each layer's attention has read the token that completes its tile
 (:meth:`~kvarn.integrations.hf_attention.FusedKVarNLayer.read_done`): it overlaps the rest of
 that step and is joined at its end; the ``flush`` step only advances the lengths of those layers.
-That is done by the first 5/32 or 5/8 of the layers (``_early_layers``); the others start theirs
+That is done by the first half or 5/8 of the layers (``_early_layers``); the others start theirs
 in the ``flush`` step, on the side stream, each after the read of a layer that many layers
 earlier, and each of their updates waits for its own, so the two steps share the freeze. The
 launches are given part of the SMs (``_beside_programs``: the encoder's grid capped, the same
@@ -107,14 +107,14 @@ def _encodes_fill_the_gpu(layers: list[FusedKVarNLayer]) -> bool:
 
 def _early_layers(layers: list[FusedKVarNLayer]) -> int:
     """How many of the layers start their encodes in the fill step (flush_ahead), the share that
-    evens the two steps' excess on the H200 (BENCHMARKS.md: the freeze step); at least one. 5/32
-    (5 of 32) where the encodes fill the GPU: there the fill step's longer fp16 tail read and its
-    encodes beside the heavier half of the step cost more per layer than the flush step's (measured
-    with session 18's encoder, 32K and 8K x 16: 5 layers give the smallest larger step over both
-    contexts, against 4, 6 and 8); 5/8 (20 of 32) below that, where it is the other way round."""
+    evens the two steps' excess on the H200 (BENCHMARKS.md: the freeze step); at least one. Half
+    (16 of 32) where the encodes fill the GPU: with the decode attention flat over the tail (session
+    20), each layer's encode costs either step about the same (32K and 8K x 16: 16 layers give the
+    smallest larger step over both contexts, against 5, 10, 12 and 14); 5/8 (20 of 32) below that,
+    where the fill step's encodes cost less per layer than the flush step's."""
     n = len(layers)
     if _encodes_fill_the_gpu(layers):
-        return max(1, (5 * n + 16) // 32)
+        return max(1, n // 2)
     return max(1, (5 * n + 4) // 8)
 
 

@@ -85,7 +85,7 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
     in the step that writes the tile's last token (flush_ahead, right after the layer's attention
     read), while the tile is still unfrozen, and the others in the next step, each at the read of
     the layer e before it, before its own update; generate encodes in the next update. e = 4
-    (5/8), or 1 (5/32) where one layer's encode fills the GPU (``fills``): there the later layers
+    (5/8), or 3 (half) where one layer's encode fills the GPU (``fills``): there the later layers
     are started at reads of layers that are late themselves."""
     model = _tiny_llama(kdevice, torch.float16 if HAS_CUDA else torch.float32, layers=6)
     hf_attention.use_fused(model)
@@ -111,7 +111,7 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
     # the tile's last token, in the step after token s (tail exactly one tile, not yet counted as
     # stored); the others one step later, layer i at layer i - e's read (still before the tile is
     # counted as stored, so before the layer's own update).
-    n, e = len(cache.layers), (1 if fills else 4)
+    n, e = len(cache.layers), (3 if fills else 4)
     s = calls[0][2]
     assert n == 6 and hf_graph._early_layers(cache.layers) == e
     expect = [(s, i, i) for i in range(e)] + [(s + 1, i - e, i) for i in range(e, n)]
