@@ -9,7 +9,8 @@ split once into pieces an MMA takes. That changes two things against the torch c
 float64 two-pass deviations): the variance is one-pass, so it cancels where a row's mean is large
 against its deviation, and the operands carry only their pieces' bits. This script emulates those
 sums in torch on CPU (products of the pieces exact in fp32, as an MMA forms them, summed in fp32)
-and encodes real K/V tiles of a bundled model with them, against the twin:
+and encodes real K/V tiles of a bundled model (its prompt from a bundled corpus, wikitext-2 by
+default) with them, against the twin:
 
 - ``fp32``: the one-pass form alone, fp32 operands (what cancellation costs);
 - ``bf16x3``: three bf16 pieces of each operand, the six products of pieces ``i + j <= 2``;
@@ -35,6 +36,7 @@ import os
 import torch
 
 from kvarn import models
+from kvarn.analysis.inputs import load_text
 from kvarn.codec import _encode_one, _quantize_torch, kv_to_tiles, rotate_kv
 from kvarn.config import KVarNConfig
 from kvarn.normalize import Workspace, _apply, best_iterate, normalize_iterates
@@ -65,13 +67,13 @@ def _pow2_max(x: torch.Tensor, dims) -> torch.Tensor:
 
 
 def matvec(xp: list[torch.Tensor], vp: list[torch.Tensor]) -> torch.Tensor:
-    """``sum_c x[..., r, c] v[..., c]`` from pieces, the products of pieces ``i + j < len``
-    (every product for one piece), each product's sum in fp32."""
+    """``sum_c x[..., r, c] v[..., c]`` from pieces: the products of pieces ``i + j`` below the
+    number of pieces, each product's sum in fp32."""
     n = max(len(xp), len(vp))
     out = None
     for i, xi in enumerate(xp):
         for j, vj in enumerate(vp):
-            if i + j < n or n == 1:
+            if i + j < n:
                 s = (xi @ vj[..., :, None])[..., 0]
                 out = s if out is None else out + s
     return out
@@ -183,8 +185,7 @@ def main():
     ap.add_argument("--model", default="smollm2-135m", choices=list(models.MODEL_NAMES))
     ap.add_argument("--tokens", type=int, default=1024, help="prompt tokens captured (whole tiles are used)")
     ap.add_argument("--preset", default="k4v2_g128")
-    ap.add_argument("--text", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "text",
-                                                   "wikitext2_test.raw"))
+    ap.add_argument("--text", default="wikitext2", help="a bundled corpus by name, or a text file")
     ap.add_argument("--forms", nargs="+", default=list(FORMS), choices=FORMS)
     ap.add_argument("--out", default="benchmarks/results/onepass_sums.json")
     a = ap.parse_args()
@@ -193,8 +194,10 @@ def main():
     cfg = KVarNConfig.from_name(a.preset)
     torch.manual_seed(0)
     model, tok = models.load(a.model)
-    with open(a.text, encoding="utf-8") as fh:
-        text = fh.read(200_000)
+    try:
+        text = load_text(a.text)
+    except ValueError as exc:
+        raise SystemExit(f"--text {a.text!r}: {exc}") from None
     kv = models.capture_kv(model, tok, text, a.tokens)
     t = kv[0][0].shape[2] // cfg.tile * cfg.tile
     if t == 0:
