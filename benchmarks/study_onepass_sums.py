@@ -122,8 +122,9 @@ def _ulp16(x: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -14))) - 10)
 
 
-def side_report(x: torch.Tensor, bits: int, iters: int, form: str) -> dict:
-    """One side's tiles ``x [N, R, C]`` encoded with ``form``'s sums against the twin."""
+def side_report(x: torch.Tensor, bits: int, iters: int, quantile: float, form: str) -> dict:
+    """One side's tiles ``x [N, R, C]`` encoded with ``form``'s sums against the twin (rows rounded
+    over ``quantile`` ranges as the preset says)."""
     cls = passes_for(form)
     a_t, b_t, m_t = normalize_iterates(x, iters, Workspace(x))
     a_e, b_e, m_e = normalize_iterates(x, iters, cls(x))
@@ -134,14 +135,14 @@ def side_report(x: torch.Tensor, bits: int, iters: int, form: str) -> dict:
     gap = (m_t.gather(1, pick_e[:, None])[:, 0] - best) / best  # the twin's score of the iterate kept
     # At the twin's best iterate: how far the emulated trajectory's scales are from the twin's.
     at = lambda t, p: t.gather(1, p[:, None, None].expand(-1, 1, t.shape[-1]))[:, 0]  # noqa: E731
-    (ct, st, zt, colt), (ce, se, ze, cole) = (_encode_at(x, bits, at(a, pick_t), at(b, pick_t))
+    (ct, st, zt, colt), (ce, se, ze, cole) = (_encode_at(x, bits, quantile, at(a, pick_t), at(b, pick_t))
                                               for a, b in ((a_t, b_t), (a_e, b_e)))
     off = [((u.float() - v.float()).abs() > _ulp16(torch.maximum(u.float().abs(), v.float().abs()))).float()
            for u, v in ((st, se), (zt, ze), (colt, cole))]
     qt, qe = _codes(ct, bits).int(), _codes(ce, bits).int()
     # The encodings as the two codecs would store them (each its own best iterate): decoded error.
-    err_t = _rel_err(_decode(_encode_one(x, bits, iters, 0.0), bits), x)
-    err_e = _rel_err(_decode(_encode_at(x, bits, *best_iterate(a_e, b_e, m_e)), bits), x)
+    err_t = _rel_err(_decode(_encode_one(x, bits, iters, quantile), bits), x)
+    err_e = _rel_err(_decode(_encode_at(x, bits, quantile, *best_iterate(a_e, b_e, m_e)), bits), x)
     return {
         "tiles": x.shape[0], "best_moved": int(moved.sum()),
         "moved_worst_gap": float(gap[moved].max()) if moved.any() else 0.0,
@@ -160,9 +161,9 @@ def _last_argmin(m: torch.Tensor) -> torch.Tensor:
     return m.shape[-1] - 1 - flipped
 
 
-def _encode_at(x: torch.Tensor, bits: int, a: torch.Tensor, b: torch.Tensor):
-    """The twin's fields of tiles ``x`` normalized with log-scales ``(a, b)`` (min/max ranges)."""
-    return _encode_one(x, bits, 0, 0.0, normalized=(_apply(x, a, b), torch.exp(a), torch.exp(b)))
+def _encode_at(x: torch.Tensor, bits: int, quantile: float, a: torch.Tensor, b: torch.Tensor):
+    """The twin's fields of tiles ``x`` normalized with log-scales ``(a, b)``."""
+    return _encode_one(x, bits, 0, quantile, normalized=(_apply(x, a, b), torch.exp(a), torch.exp(b)))
 
 
 def _decode(enc, bits) -> torch.Tensor:
@@ -191,7 +192,10 @@ def main():
     a = ap.parse_args()
     if a.tokens < 1:
         raise SystemExit(f"--tokens {a.tokens}: give at least one tile of tokens")
-    cfg = KVarNConfig.from_name(a.preset)
+    try:
+        cfg = KVarNConfig.from_name(a.preset)
+    except ValueError as exc:
+        raise SystemExit(f"--preset {a.preset!r}: {exc}") from None
     torch.manual_seed(0)
     model, tok = models.load(a.model)
     try:
@@ -211,8 +215,9 @@ def main():
           "| rel. error twin -> form |")
     print("|---|---|---|---|---|---|---|")
     for form in a.forms:
-        for side, x, bits in (("K", kt, cfg.key_bits), ("V", vt, cfg.value_bits)):
-            r = side_report(x, bits, cfg.sinkhorn_iters, form)
+        for side, x, bits, q in (("K", kt, cfg.key_bits, cfg.quantiles[0]),
+                                 ("V", vt, cfg.value_bits, cfg.quantiles[1])):
+            r = side_report(x, bits, cfg.sinkhorn_iters, q, form)
             r.update(form=form, side=side)
             rows.append(r)
             print(f"| {form} | {side} | {r['tiles']} | {r['best_moved']} ({r['moved_not_tie']}) "
