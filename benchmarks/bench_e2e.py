@@ -347,8 +347,9 @@ def run_one(model, kind, b, context, new, chunk, device):
     # Steps whose update froze a tile (gaps[i - 1] ends at step i's event). Under capture the first
     # of them also captures the freeze graph; the last one reported is a replay when there are two.
     flushed = [i for i in range(1, len(clock.probes)) if clock.probes[i] != clock.probes[i - 1] and i - 1 < len(gaps)]
-    if flushed and decode in ("graph", "graph_inline") and len(flushed) < 2:
-        # The run's only freeze also captured its graphs: its steps time the capture, not a freeze.
+    if flushed and cuda and decode in ("graph", "graph_inline") and len(flushed) < 2:
+        # The run's only freeze also captured its graphs: its steps time the capture, not a freeze
+        # (a simulated capture on CPU records no graph: its steps are eager ones, reported below).
         row.update(flush_steps=flushed, freeze_note="the only freeze also captured its graphs; --new >= 2 tiles")
     elif flushed:
         i = flushed[-1]
