@@ -61,7 +61,7 @@ SCHEDULES = {  # name: (early layers, programs, launch options, step stream prio
     "split_e6_p44": (6, 44, None, False),
     "split_e8": (8, DEFAULT, None, False),
     "split_e10": (10, DEFAULT, None, False),
-    "split_e12": (12, DEFAULT, None, False),  # session 20's flat attention: the share to re-tune
+    "split_e12": (12, DEFAULT, None, False),  # e5 .. e16: session 21's share study (BENCHMARKS.md)
     "split_e14": (14, DEFAULT, None, False),
     "split_e16": (16, DEFAULT, None, False),
     "split_e8_p24": (8, 24, None, False),
