@@ -65,7 +65,7 @@ def append_tail(tail_k: torch.Tensor, tail_v: torch.Tensor, k: torch.Tensor, v: 
     remaining tokens to the front (after a multi-token update) is the caller's. The caller also
     sizes the tail: a position outside ``[0, R)`` is not written.
     """
-    check_device(tail_k, k)
+    check_device(tail_k, tail_v, k, v, lengths)
     b, hk, q, d = k.shape
     if v.shape != k.shape or tail_k.shape != tail_v.shape or tail_k.shape[:2] != (b, hk) or tail_k.shape[3] != d:
         raise ValueError(f"append_tail: k, v must be [B, Hk, q, D] and the tails [B, Hk, R, D] alike, got k "
