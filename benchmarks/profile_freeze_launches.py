@@ -1,0 +1,52 @@
+"""The launches that share the GPU in a freeze step, a few times each: the target for Nsight Compute.
+
+A captured decode step at batch B runs the model's projections as cuBLAS GEMMs of B rows, and the
+freeze runs the encoder beside them on a side stream, capped at ``hf_graph._beside_programs`` programs
+for K and for V. Whether an encode program can share an SM with a GEMM block decides what the freeze
+costs the step (BENCHMARKS.md, table 3: the GEMMs' blocks fill an SM each). Weights are random (the
+launches' resources do not depend on the values), shaped like ``bench_e2e``'s Llama-3.1-8B.
+
+    ncu --kernel-name regex:'nvjet|gemm|splitK|_encode_tiles' --section LaunchStats --section Occupancy \\
+        python benchmarks/profile_freeze_launches.py --batch 16
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kvarn import kernels
+from kvarn.config import KVarNConfig
+from kvarn.integrations.hf_graph import _beside_programs
+
+from bench_e2e import SHAPES
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--preset", default="k4v2_g128")
+    ap.add_argument("--launches", type=int, default=2)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    s = SHAPES["llama8b"]
+    h, f, d, hk = s["hidden_size"], s["intermediate_size"], s["head_dim"], s["num_key_value_heads"]
+    weights = {"q, o": (h, h), "k, v": (hk * d, h), "gate, up": (f, h), "down": (h, f), "lm_head": (s["vocab_size"], h)}
+    for name, (n_out, n_in) in weights.items():
+        w = torch.randn(n_out, n_in, device=dev, dtype=torch.float16) * 0.02
+        x = torch.randn(a.batch, n_in, device=dev, dtype=torch.float16)
+        torch.cuda.nvtx.range_push(name)
+        for _ in range(a.launches):
+            torch.nn.functional.linear(x, w)
+        torch.cuda.nvtx.range_pop()
+    cfg = KVarNConfig.from_name(a.preset)
+    k = torch.randn(a.batch, hk, cfg.tile, d, device=dev, dtype=torch.float16)
+    v = torch.randn(a.batch, hk, cfg.tile, d, device=dev, dtype=torch.float16)
+    for _ in range(a.launches):  # one layer's freeze as decode_greedy launches it beside the step
+        kernels.encode_tiles(k.transpose(-1, -2), v, cfg, rotate=True, programs=_beside_programs(dev))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
