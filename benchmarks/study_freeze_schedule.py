@@ -44,7 +44,10 @@ SCHEDULES = {  # name: (early layers, programs, launch options, step stream prio
     "split_uncapped": (DEFAULT, None, None, False),
     "split_p16": (DEFAULT, 16, None, False),
     "split": (DEFAULT, DEFAULT, None, False),
-    "split_p24": (DEFAULT, 24, None, False),
+    "split_p20": (DEFAULT, 20, None, False),
+    "split_p24": (DEFAULT, 24, None, False),  # p20 .. p28: session 22's grid (BENCHMARKS.md)
+    "split_p26": (DEFAULT, 26, None, False),
+    "split_p28": (DEFAULT, 28, None, False),
     "split_p44": (DEFAULT, 44, None, False),
     "split_p66": (DEFAULT, 66, None, False),
     "split_r128": (DEFAULT, DEFAULT, R128, False),
