@@ -9,6 +9,8 @@ This script measures that time for the loop alone, in two prototypes of one form
 
 - ``fma``: each iteration's column and row sums (``sum y``, ``sum y^2``, ``y = X w`` and ``X v``)
   as ``tl.sum`` on the FMA pipe, the form of the encoder's loop;
+- ``fma, two tiles a program``: the same, on two tiles at once (``[2, N, N]``), so that one program
+  has two tiles' independent work in flight, as two programs sharing an SM have;
 - ``mma``: the same sums as ``tl.dot`` of the tile's fp16 high / low pieces (``X`` and ``X^2``,
   the tile scaled once to a largest magnitude of 1 by a power of two) against ``[R, 16]`` operands
   built from the scale vectors' pieces (each vector scaled to a largest value of 1 by a power of
@@ -76,6 +78,27 @@ def _loop_fma(x_ptr, a_ptr, b_ptr, tiles, T: tl.constexpr, N: tl.constexpr):
             b = _update(tl.exp(-b), b, tl.sum(y, 1), tl.sum(y * y, 1), N)
         tl.store(a_ptr + t * N + i, a)
         tl.store(b_ptr + t * N + i, b)
+
+
+@triton.jit
+def _loop_fma_pair(x_ptr, a_ptr, b_ptr, tiles, T: tl.constexpr, N: tl.constexpr):
+    """``_loop_fma`` on two tiles at once, as a ``[2, N, N]`` block: the same work a tile, with two
+    independent reductions in flight in each program (as two programs sharing an SM would have)."""
+    i = tl.arange(0, N)
+    k = tl.arange(0, 2)
+    for t in range(tl.program_id(0), tiles // 2, tl.num_programs(0)):
+        base = (2 * t + k)[:, None, None] * N * N
+        x = tl.load(x_ptr + base + i[None, :, None] * N + i[None, None, :]).to(tl.float32)
+        a = tl.zeros([2, N], tl.float32)
+        b = tl.zeros([2, N], tl.float32)
+        for _ in range(T):
+            y = x * tl.exp(-b)[:, :, None]
+            a = _update(tl.exp(-a), a, tl.sum(y, 1), tl.sum(y * y, 1), N)
+            y = x * tl.exp(-a)[:, None, :]
+            b = _update(tl.exp(-b), b, tl.sum(y, 2), tl.sum(y * y, 2), N)
+        out = (2 * t + k)[:, None] * N + i[None, :]
+        tl.store(a_ptr + out, a)
+        tl.store(b_ptr + out, b)
 
 
 @triton.jit
@@ -183,8 +206,9 @@ def main(a) -> None:
                          us=us, sm_us_per_tile=us * sms / n if us else None))
         print(json.dumps(rows[-1]), flush=True)
 
-    for (name, kernel), warps, programs in [(f, w, p) for f in (("fma", _loop_fma), ("mma", _loop_mma))
-                                            for w in a.warps for p in (n, sms)]:
+    forms = (("fma", _loop_fma), ("fma, two tiles a program", _loop_fma_pair), ("mma", _loop_mma))
+    for (name, kernel), warps, programs in [(f, w, p) for f in forms for w in a.warps for p in (n, sms)]:
+        programs = min(programs, n // 2) if kernel is _loop_fma_pair else programs
         la = torch.empty(n, size, device=dev)
         lb = torch.empty(n, size, device=dev)
         run = lambda: kernel[(programs,)](x, la, lb, n, T=a.iterations, N=size, num_warps=warps)  # noqa: E731
