@@ -13,6 +13,7 @@ launches' resources do not depend on the values), shaped like ``bench_e2e``'s Ll
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -29,6 +30,8 @@ def main():
     ap.add_argument("--preset", default="k4v2_g128")
     ap.add_argument("--launches", type=int, default=2)
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_freeze_launches: torch sees no CUDA device (it is a target for ncu on a GPU)")
     dev = torch.device("cuda")
     s = SHAPES["llama8b"]
     h, f, d, hk = s["hidden_size"], s["intermediate_size"], s["head_dim"], s["num_key_value_heads"]

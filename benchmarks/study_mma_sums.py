@@ -1,11 +1,11 @@
-"""Study: how much faster is the encoder's normalization loop with its sums on tensor cores? (issue 12)
+"""Study: an encode's SM-time a tile, with one or two tiles a program, sums on FMAs or tensor cores (issue 12)
 
 ``study_onepass_sums.py`` showed that the loop's sums may be formed as matrix-vector products of
 the fixed tile's fp16 pieces within the twin's tolerance; BENCHMARKS.md (session 21) estimated the
 speed and did not pursue it, because a larger program seemed to cost the decode step more. Session
 22's ncu of the freeze step (``profile_freeze_launches.py``) showed that an encode program never
 shares an SM with the step's GEMM blocks anyway, so what counts is the time a tile holds its SM.
-This script measures that time for the loop alone, in two prototypes of one form:
+This script measures that time for the loop alone, in three prototypes of one form:
 
 - ``fma``: each iteration's column and row sums (``sum y``, ``sum y^2``, ``y = X w`` and ``X v``)
   as ``tl.sum`` on the FMA pipe, the form of the encoder's loop;
@@ -16,13 +16,16 @@ This script measures that time for the loop alone, in two prototypes of one form
   built from the scale vectors' pieces (each vector scaled to a largest value of 1 by a power of
   two), the products hi hi, hi lo and lo hi accumulated in fp32.
 
-Both run T iterations of the spec's updates (log of the clipped unbiased deviation, the clamps)
-on random tiles with channel offsets, one program a tile, and write the final log-scales. The script
-reports the largest difference of the log-scales against a float64 torch loop (the one-pass
-variance cancels where a mean is large; this is a timing check, ``study_onepass_sums`` is the
-accuracy study) and the time a tile, next to the whole encoder's (``kernels.encode_tiles``, one
-program a tile, the same number of tiles). The prototypes do not track the best iterate or round:
-what they give is the loop's share, not a new encoder.
+All run T iterations of the spec's updates (log of the clipped unbiased deviation, the clamps) on
+random fp32 tiles with row offsets and scales and write the final log-scales, each launched two
+ways: one program a tile (programs share SMs as far as their registers let them), and one program
+an SM (a grid of the SMs' count, each program looping over tiles: alone on its SM, as beside the
+decode step). The script reports the largest difference of the log-scales against a float64 torch
+loop (the one-pass variance cancels where a mean is large; this is a timing check,
+``study_onepass_sums`` is the accuracy study) and the SM-time a tile (the launch's time x SMs /
+tiles), next to the whole encoder's (``kernels.encode_tiles``, rotating, one program a tile and 66
+each for K and V). The prototypes do not track the best iterate or round: compare them with each
+other, not with the encoder.
 
     PYTHONPATH=. python benchmarks/study_mma_sums.py --out benchmarks/results/mma_sums_h200.json
 
@@ -191,6 +194,10 @@ def tiles(n: int, size: int, device: torch.device) -> torch.Tensor:
 
 
 def main(a) -> None:
+    if a.tiles < 2 or a.tiles % 2:
+        sys.exit(f"--tiles {a.tiles}: give an even number, at least 2 (the two-tile prototype takes pairs)")
+    if a.size < 16 or a.size & (a.size - 1):
+        sys.exit(f"--size {a.size}: give a power of two, at least 16 (tl.dot's smallest operand)")
     dev = torch.device(a.device)
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device (use --device cpu for a check)")
