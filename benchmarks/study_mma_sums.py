@@ -35,6 +35,7 @@ With ``--device cpu`` it runs 4 small tiles under triton's interpreter, to check
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -131,7 +132,7 @@ def _operands(s, j, N: tl.constexpr):
 
 
 @triton.jit
-def _sums(acc, j, unit, n: tl.constexpr):
+def _sums(acc, j, unit):
     s1 = tl.sum(tl.where((j == 0) | (j == 1), acc, 0.0), 1) * unit
     s2 = tl.sum(tl.where((j == 2) | (j == 3), acc, 0.0), 1) * unit * unit
     return s1, s2
@@ -159,14 +160,14 @@ def _loop_mma(x_ptr, a_ptr, b_ptr, tiles, T: tl.constexpr, N: tl.constexpr):
             acc = tl.dot(tl.trans(lo), xl, acc)
             acc = tl.dot(tl.trans(hi2), qh, acc)
             acc = tl.dot(tl.trans(lo2), ql, acc)
-            s1, s2 = _sums(tl.trans(acc), j, unit * u, N)
+            s1, s2 = _sums(tl.trans(acc), j, unit * u)
             a = _update(tl.exp(-a), a, s1, s2, N)
             hi, lo, hi2, lo2, u = _operands(tl.exp(-a), j, N)
             acc = tl.dot(xh, hi, out_dtype=tl.float32)
             acc = tl.dot(xl, lo, acc)
             acc = tl.dot(qh, hi2, acc)
             acc = tl.dot(ql, lo2, acc)
-            s1, s2 = _sums(acc, j, unit * u, N)
+            s1, s2 = _sums(acc, j, unit * u)
             b = _update(tl.exp(-b), b, s1, s2, N)
         tl.store(a_ptr + t * N + i, a)
         tl.store(b_ptr + t * N + i, b)
@@ -194,6 +195,8 @@ def main(a) -> None:
         sys.exit(f"--tiles {a.tiles}: give an even number, at least 2 (the two-tile prototype takes pairs)")
     if a.size < 16 or a.size & (a.size - 1):
         sys.exit(f"--size {a.size}: give a power of two, at least 16 (tl.dot's smallest operand)")
+    if a.iterations < 0:
+        sys.exit(f"--iterations {a.iterations}: give 0 or more (the spec's T)")
     dev = torch.device(a.device)
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device (use --device cpu for a check)")
@@ -226,7 +229,7 @@ def main(a) -> None:
         from kvarn import kernels
         from kvarn.config import KVarNConfig
 
-        cfg = KVarNConfig.from_name("k4v2_g128")
+        cfg = dataclasses.replace(KVarNConfig.from_name("k4v2_g128"), sinkhorn_iters=a.iterations)
         half = n // 2  # K and V tiles, n in all
         k, v = x[:half].half().transpose(-1, -2), x[half:].half()  # model-frame fp16, rotated in the kernel
         out = kernels.encode_tiles(k, v, cfg, rotate=True)
