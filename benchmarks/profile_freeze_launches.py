@@ -4,7 +4,9 @@ A captured decode step at batch B runs the model's projections as cuBLAS GEMMs o
 freeze runs the encoder beside them on a side stream, capped at ``hf_graph._beside_programs`` programs
 for K and for V. Whether an encode program can share an SM with a GEMM block decides what the freeze
 costs the step (BENCHMARKS.md, table 3: the GEMMs' blocks fill an SM each). Weights are random (the
-launches' resources do not depend on the values), shaped like ``bench_e2e``'s Llama-3.1-8B.
+launches' resources do not depend on the values), shaped like ``bench_e2e``'s Llama-3.1-8B. The
+launches come in this order, ``--launches`` of each: q and o, k and v, gate and up, down, lm_head
+(cuBLAS GEMMs, some with a split-K reduction after them), then the encode.
 
     ncu --kernel-name regex:'nvjet|gemm|splitK|_encode_tiles' --section LaunchStats --section Occupancy \\
         python benchmarks/profile_freeze_launches.py --batch 16
@@ -30,20 +32,20 @@ def main():
     ap.add_argument("--preset", default="k4v2_g128")
     ap.add_argument("--launches", type=int, default=2)
     a = ap.parse_args()
+    if a.batch < 1 or a.launches < 1:
+        sys.exit(f"--batch {a.batch}, --launches {a.launches}: give 1 or more of each")
+    cfg = KVarNConfig.from_name(a.preset)  # an unknown preset is refused before any allocation
     if not torch.cuda.is_available():
         sys.exit("profile_freeze_launches: torch sees no CUDA device (it is a target for ncu on a GPU)")
     dev = torch.device("cuda")
     s = SHAPES["llama8b"]
     h, f, d, hk = s["hidden_size"], s["intermediate_size"], s["head_dim"], s["num_key_value_heads"]
     weights = {"q, o": (h, h), "k, v": (hk * d, h), "gate, up": (f, h), "down": (h, f), "lm_head": (s["vocab_size"], h)}
-    for name, (n_out, n_in) in weights.items():
+    for n_out, n_in in weights.values():
         w = torch.randn(n_out, n_in, device=dev, dtype=torch.float16) * 0.02
         x = torch.randn(a.batch, n_in, device=dev, dtype=torch.float16)
-        torch.cuda.nvtx.range_push(name)
         for _ in range(a.launches):
             torch.nn.functional.linear(x, w)
-        torch.cuda.nvtx.range_pop()
-    cfg = KVarNConfig.from_name(a.preset)
     k = torch.randn(a.batch, hk, cfg.tile, d, device=dev, dtype=torch.float16)
     v = torch.randn(a.batch, hk, cfg.tile, d, device=dev, dtype=torch.float16)
     for _ in range(a.launches):  # one layer's freeze as decode_greedy launches it beside the step
