@@ -6,8 +6,7 @@ by 16, the tiles' unit channel strides as constants, one tile per row and head, 
 scale check on, model-frame tiles rotated in the kernel), disassembles it with the ``cuobjdump``
 that comes with triton, and counts instructions: the normalization loop of the K and of the V
 path (one iteration each, by opcode; which of the two is K is not told apart) and the rest of a tile, whose 8 iterations plus the rest give the
-instructions a thread executes per tile (``--tiles-in-flight 2``: a program's two tiles, halved).
-Register and spill counts come from the same cubin.
+instructions a thread executes per tile. Register and spill counts come from the same cubin.
 BENCHMARKS.md table 2 quotes these. The device runs triton 3.6 (``pip install --target DIR
 triton==3.6.0`` and put DIR first on ``PYTHONPATH`` to count what it compiles; another triton
 counts its own code). Prints a table, writes JSON.
@@ -39,15 +38,13 @@ _FLOATS = ("inv_sqrt_d", "k_clo", "k_chi", "v_clo", "v_chi")
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
-def compile_encoder(cfg: KVarNConfig, head_dim: int, warps: int, max_registers: int | None, pair: bool = False):
-    """The cubin of the cache's flush launch for ``cfg`` (rotating, slot, check; min/max ranges);
-    ``pair``: two tiles a program, the form of the encodes beside the decode step (one unit a
-    program here: the capped grid's loop over units would hide the two normalization loops)."""
+def compile_encoder(cfg: KVarNConfig, head_dim: int, warps: int, max_registers: int | None):
+    """The cubin of the cache's flush launch for ``cfg`` (rotating, slot, check; min/max ranges)."""
     fn = encode._encode_tiles_kernel
     consts = dict(D=head_dim, G=cfg.tile, KB=cfg.key_bits, VB=cfg.value_bits, ITERS=cfg.sinkhorn_iters,
                   HAS_NORM=False, ROTATE=True, HAS_ROT=False, HAS_SLOT=True, CHECK=True,
                   KQ=False, KLO0=0, KLO1=0, KHI0=0, KHI1=0, VQ=False, VLO0=0, VLO1=0, VHI0=0, VHI1=0,
-                  ASM=True, PERSIST=False, PAIR=pair,
+                  ASM=True, PERSIST=False,
                   k_sr=1, v_sc=1, N2=1)  # unit channel strides and one tile per head: constants at run time
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -118,11 +115,8 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--launches", nargs="+", default=["8:128", "8:0", "4:0"],
                     help="warps:register cap (0: none); 8:128 is the cache's B 16 launch, 8:0 its B 1")
-    ap.add_argument("--tiles-in-flight", type=int, default=1, choices=[1, 2],
-                    help="2: two tiles a program (counts are still per tile), the encodes beside the decode step")
     ap.add_argument("--out", default="benchmarks/results/sass_encoder.json")
     a = ap.parse_args()
-    pair = a.tiles_in_flight == 2
     launches = [_launch(x) for x in a.launches]
     configs = [KVarNConfig.from_name(p) for p in a.presets]  # an unknown preset is refused by name
     configs[0].record_bytes(a.head_dim)  # a head_dim the codec refuses is refused here
@@ -131,19 +125,16 @@ def main():
     except ValueError as exc:
         raise SystemExit(f"--head-dim {a.head_dim}: {exc}") from None
     rows = []
-    print(f"tiles a program: {a.tiles_in_flight} (the loops: a program's, for its {a.tiles_in_flight})")
     print("| preset | warps | register cap | registers | spill stack B | loop, the two paths | rest of a tile | a tile |")
     print("|---|---|---|---|---|---|---|---|")
     for preset, cfg in zip(a.presets, configs):
         for warps, cap in launches:
-            r = count(compile_encoder(cfg, a.head_dim, warps, cap, pair))
-            tile = (r["rest_per_path"] + cfg.sinkhorn_iters * sum(r["loops"]) / 2) / a.tiles_in_flight
-            r.update(preset=preset, warps=warps, max_registers=cap, per_tile=tile, iters=cfg.sinkhorn_iters,
-                     tiles_in_flight=a.tiles_in_flight)
+            r = count(compile_encoder(cfg, a.head_dim, warps, cap))
+            tile = r["rest_per_path"] + cfg.sinkhorn_iters * sum(r["loops"]) / 2
+            r.update(preset=preset, warps=warps, max_registers=cap, per_tile=tile, iters=cfg.sinkhorn_iters)
             rows.append(r)
             print(f"| {preset} | {warps} | {cap or '-'} | {r['registers']} | {r['stack_bytes']} "
-                  f"| {' / '.join(map(str, r['loops']))} | {r['rest_per_path'] / a.tiles_in_flight:.0f} | {tile:.0f} |",
-                  flush=True)
+                  f"| {' / '.join(map(str, r['loops']))} | {r['rest_per_path']:.0f} | {tile:.0f} |", flush=True)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump({"triton": triton.__version__, "target": "cuda sm_90", "head_dim": a.head_dim, "rows": rows},

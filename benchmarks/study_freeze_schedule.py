@@ -10,8 +10,8 @@ which no user code should do):
   the schedule before session 14; a number; default: decode_greedy's own choice);
 - ``programs``: the encoder's programs for K and for V per launch (None: one per tile, 128 at
   batch 16; default: decode_greedy's, a quarter of the SMs);
-- ``options``: the side-stream encodes' warps, register cap and tiles a program (None: the
-  launch's own, ``kvarn.kernels.encode._launch_options`` and ``_tiles_in_flight``);
+- ``options``: the side-stream encodes' warps and register cap (None: the launch's own,
+  ``kvarn.kernels.encode._launch_options``);
 - ``priority``: the captured step's stream at a higher priority than the side stream, with
   ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` (set by this script when a schedule asks for it) so that
   graph replays keep the captured streams' priorities: the block scheduler then dispatches the
@@ -38,7 +38,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT = "default"
 W4, W16, R128 = {"num_warps": 4}, {"num_warps": 16}, {"num_warps": 8, "max_registers": 128}
-T1 = {"tiles_in_flight": 1}  # one tile a program, the side-stream encodes before session 23
 SCHEDULES = {  # name: (early layers, programs, launch options, step stream priority)
     "one_step": ("all", None, None, False),
     "one_step_p33": ("all", 33, None, False),
@@ -49,9 +48,6 @@ SCHEDULES = {  # name: (early layers, programs, launch options, step stream prio
     "split_p24": (DEFAULT, 24, None, False),  # p20 .. p28: session 22's grid (BENCHMARKS.md)
     "split_p26": (DEFAULT, 26, None, False),
     "split_p28": (DEFAULT, 28, None, False),
-    "split_p32": (DEFAULT, 32, None, False),  # two tiles a program: 64 pairs at B 16, two a program
-    "split_t1": (DEFAULT, DEFAULT, T1, False),
-    "split_p24_t1": (DEFAULT, 24, T1, False),
     "split_p44": (DEFAULT, 44, None, False),
     "split_p66": (DEFAULT, 66, None, False),
     "split_r128": (DEFAULT, DEFAULT, R128, False),

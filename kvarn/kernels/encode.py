@@ -71,20 +71,18 @@ def _lg2_std_cols(x, f, R: tl.constexpr, ASM: tl.constexpr):
     sums are trees: about 1.4 instructions a value), the deviations are ``fma(x, f, -mean)``, and
     only ``x`` stays live. The loop works on log2 deviations: half the log2 of the variance, no
     square root per copy of a vector."""
-    f = tl.expand_dims(f, -1)
-    mean = tl.sum(x * f, axis=-2) * (1.0 / R)
-    dev = tl.fma(x, f, -tl.expand_dims(mean, -2))
-    return _lg2(tl.sum(dev * dev, axis=-2), ASM) * 0.5
+    mean = tl.sum(x * f[:, None], axis=0) * (1.0 / R)
+    dev = tl.fma(x, f[:, None], -mean[None, :])
+    return _lg2(tl.sum(dev * dev, axis=0), ASM) * 0.5
 
 
 @triton.jit
 def _lg2_std_rows(x, e, C: tl.constexpr, ASM: tl.constexpr):
     """log2 of the unbiased std of each row of ``x * e[None, :] * sqrt(C - 1)`` (over columns):
     ``[R, C]`` -> ``[R]``; ``e`` carries ``1 / sqrt(C - 1)`` (:func:`_lg2_std_cols`)."""
-    e = tl.expand_dims(e, -2)
-    mean = tl.sum(x * e, axis=-1) * (1.0 / C)
-    dev = tl.fma(x, e, -tl.expand_dims(mean, -1))
-    return _lg2(tl.sum(dev * dev, axis=-1), ASM) * 0.5
+    mean = tl.sum(x * e[None, :], axis=1) * (1.0 / C)
+    dev = tl.fma(x, e[None, :], -mean[:, None])
+    return _lg2(tl.sum(dev * dev, axis=1), ASM) * 0.5
 
 
 @triton.jit
@@ -95,7 +93,7 @@ def _max_min(a, b, c, d):
 @triton.jit
 def _spread(v, ASM: tl.constexpr):
     """``max(s) / max(min(s), 1e-8)`` of the deviations ``s = 2^v``: both extremes in one reduction."""
-    hi, lo = tl.reduce((v, v), len(v.shape) - 1, _max_min)  # the last axis (the interpreter takes no -1 here)
+    hi, lo = tl.reduce((v, v), 0, _max_min)
     return _ex2(hi - tl.maximum(lo, _LG2_1E_8), ASM)
 
 
@@ -142,27 +140,26 @@ _LG2_1E_8 = tl.constexpr(-26.575424759098897)
 
 @triton.jit
 def _order_stats(y, I0: tl.constexpr, I1: tl.constexpr, LOW: tl.constexpr, C: tl.constexpr):
-    """Each row's values of ranks ``I0 <= I1`` of ``y [..., R, C]`` in ascending order (``LOW``) or in
+    """Each row's values of ranks ``I0 <= I1`` of ``y [R, C]`` in ascending order (``LOW``) or in
     descending order (rank 0 = the largest): ``I1 + 1`` extractions of the row's minimum (maximum),
     removing one entry each time. Exact, as a sort is, and cheap for the few ranks a small quantile
     needs (q = 0.03 of 128 values: 5 from each end), where ``tl.sort`` of a whole tile costs a
     bitonic network in registers and long compiles."""
     cols = tl.arange(0, C)
     work = y
-    v0 = tl.zeros(y.shape[:-1], dtype=tl.float32)
+    v0 = tl.zeros([y.shape[0]], dtype=tl.float32)
     v1 = v0
-    LAST: tl.constexpr = len(y.shape) - 1
     for j in tl.static_range(I1 + 1):
         if LOW:
-            m, idx = tl.min(work, axis=LAST, return_indices=True)
+            m, idx = tl.min(work, axis=1, return_indices=True)
         else:
-            m, idx = tl.max(work, axis=LAST, return_indices=True)
+            m, idx = tl.max(work, axis=1, return_indices=True)
         if j == I0:
             v0 = m
         if j == I1:
             v1 = m
         if j < I1:
-            work = tl.where(cols[None, :] == tl.expand_dims(idx, -1), float("inf") if LOW else -float("inf"), work)
+            work = tl.where(cols[None, :] == idx[:, None], float("inf") if LOW else -float("inf"), work)
     return v0, v1
 
 
@@ -179,15 +176,14 @@ def _encode_one(
     x, codes_ptr, codes_off, rs_ptr, rs_off, rz_ptr, rz_off, cs_ptr, cs_off, bad_ptr,
     norm, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr, CHECK: tl.constexpr,
     QUANT: tl.constexpr, LO0: tl.constexpr, LO1: tl.constexpr, HI0: tl.constexpr, HI1: tl.constexpr,
-    c_lo, c_hi, ASM: tl.constexpr, ok, PAIR: tl.constexpr,
+    c_lo, c_hi, ASM: tl.constexpr,
 ):
-    """Normalize, round, pack and store one fp32 tile ``x [R, C]`` (rotated frame), or two
-    (``PAIR``): ``x [2, R, C]``, the offsets, ``norm`` and ``ok`` (store this tile) per tile."""
+    """Normalize, round, pack and store one fp32 tile ``x [R, C]`` (rotated frame)."""
     rows = tl.arange(0, R)
     cols = tl.arange(0, C)
     # The log-scales are kept in log2 units (a2 = a log2(e)), their deviations as log2 std.
-    a2 = tl.zeros([2, C] if PAIR else [C], dtype=tl.float32)
-    b2 = tl.zeros([2, R] if PAIR else [R], dtype=tl.float32)
+    a2 = tl.zeros([C], dtype=tl.float32)
+    b2 = tl.zeros([R], dtype=tl.float32)
     # Two of the four deviations an iteration of the spec takes are known without a pass over the
     # tile: the column update uses the columns' deviations the last score took (same Y), and a
     # row update scales each row, so the rows' deviations after it are the ones before it times
@@ -219,31 +215,31 @@ def _encode_one(
         m = _score(lcs, lrs, ASM)
         take = (m <= best) & norm  # ties go to the later iterate; without normalization: the identity
         best = tl.where(take, m, best)
-        best_a = tl.where(_per_tile(take, 1, PAIR), a2, best_a)
-        best_b = tl.where(_per_tile(take, 1, PAIR), b2, best_b)
+        best_a = tl.where(take, a2, best_a)
+        best_b = tl.where(take, b2, best_b)
 
     col_scale = tl.exp2(best_a)
     row_scale = tl.exp2(best_b)
     eb = tl.exp2(-best_b)
-    z = x * tl.expand_dims(tl.exp2(-best_a), -2)  # Y = z * exp(-b), row by row; formed only for the quantiles
+    z = x * tl.exp2(-best_a)[None, :]  # Y = z * exp(-b), row by row; formed only for the quantiles
 
     QMAX: tl.constexpr = (1 << BITS) - 1
     if QUANT:  # the rows' [q, 1 - q] quantiles (config.key_quantile / value_quantile > 0)
-        y = z * tl.expand_dims(eb, -1)
+        y = z * eb[:, None]
         b0, b1 = _order_stats(y, LO0, LO1, True, C)
         lo = _lerp(b0, b1, c_lo)
         a1, a0 = _order_stats(y, C - 1 - HI1, C - 1 - HI0, False, C)  # sorted ranks HI0 <= HI1, from the top
         hi = _lerp(a0, a1, c_hi)
     else:  # a row's extremes of z times exp(-b) > 0: Y's extremes, the same values (rounding is monotone)
-        lo = tl.min(z, axis=-1) * eb
-        hi = tl.max(z, axis=-1) * eb
+        lo = tl.min(z, axis=1) * eb
+        hi = tl.max(z, axis=1) * eb
     step = tl.maximum((hi - lo) / QMAX, 1e-10)
     inv = 1.0 / step
     # (Y - lo) / step as one FMA a value, z (exp(-b) / step) - lo / step. Its error is about
     # 2^-23 |lo| / step, so a code differs from the twin's only where t is that close to a half
     # integer, where both codes reconstruct within half a step plus that much (lo's own fp32
     # precision, when a row's range is tiny next to its offset).
-    t = tl.fma(z, tl.expand_dims(eb * inv, -1), tl.expand_dims(-lo * inv, -1))
+    t = tl.fma(z, (eb * inv)[:, None], (-lo * inv)[:, None])
     # Clamped before rounding (the same codes: rounding is monotone and keeps the integer bounds).
     # t + M with M = 1.5 * 2^23 rounds fp32 t in [0, QMAX] half to even into the low mantissa bits,
     # whose pattern is M's (low 22 bits zero) plus the code: the code is those bits, no conversion.
@@ -258,119 +254,72 @@ def _encode_one(
         packed = _pack(q, BITS, P)
     pcols = tl.arange(0, CB)
     # Stored transposed, [C / P, R] (the code byte order of kvarn.codec).
-    _store(codes_ptr + _per_tile(codes_off, 2, PAIR) + pcols[None, :] * R + rows[:, None], packed.to(tl.uint8),
-           _per_tile(ok, 2, PAIR), PAIR)
+    tl.store(codes_ptr + codes_off + pcols[None, :] * R + rows[:, None], packed.to(tl.uint8))
     rs = (row_scale * step).to(tl.float16)
     rz = (row_scale * lo).to(tl.float16)
     cs = col_scale.to(tl.float16)
-    _store(rs_ptr + _per_tile(rs_off, 1, PAIR) + rows, rs, _per_tile(ok, 1, PAIR), PAIR)
-    _store(rz_ptr + _per_tile(rz_off, 1, PAIR) + rows, rz, _per_tile(ok, 1, PAIR), PAIR)
-    _store(cs_ptr + _per_tile(cs_off, 1, PAIR) + cols, cs, _per_tile(ok, 1, PAIR), PAIR)
+    tl.store(rs_ptr + rs_off + rows, rs)
+    tl.store(rz_ptr + rz_off + rows, rz)
+    tl.store(cs_ptr + cs_off + cols, cs)
     if CHECK:  # a non-finite stored scale (fp16 overflow) flags the launch; read later, off the step
-        n_bad = _nonfinite(rs) + _nonfinite(rz) + _nonfinite(cs)
-        if PAIR:
-            n_bad = tl.sum(tl.where(ok, n_bad, 0), axis=0)
-        if n_bad > 0:
+        if _nonfinite(rs) + _nonfinite(rz) + _nonfinite(cs) > 0:
             tl.atomic_or(bad_ptr, 1)
 
 
 @triton.jit
 def _pack(q, BITS: tl.constexpr, P: tl.constexpr):
-    """Codes ``q [..., C]`` -> bytes ``[..., C / P]``, code j of a byte at bit ``j * BITS``: pairs of
-    neighbours joined P / 2 times (one split of a last axis of 2 each: no layout change)."""
-    n: tl.constexpr = q.shape[-1]
-    lo, hi = tl.split(tl.reshape(q, q.shape[:-1] + [n // 2, 2]))
+    """Codes ``q [R, C]`` -> bytes ``[R, C / P]``, code j of a byte at bit ``j * BITS``: neighbours
+    joined in pairs, P / 2 times, each a split of a last axis of 2 that stays in a thread's registers.
+    A sum over a last axis of P = 4 shifted codes compiled to more instructions and, under the
+    128-register cap, more spills (sass_encoder.py: 10599 -> 10312 instructions a tile for k2v2,
+    10455 -> 10308 for k4v2; capped spills 56 -> 24 and 40 -> 32 bytes)."""
+    lo, hi = tl.split(tl.reshape(q, [q.shape[0], q.shape[1] // 2, 2]))
     packed = lo | (hi << BITS)
     if P == 4:
-        lo, hi = tl.split(tl.reshape(packed, q.shape[:-1] + [n // 4, 2]))
+        lo, hi = tl.split(tl.reshape(packed, [q.shape[0], q.shape[1] // 4, 2]))
         packed = lo | (hi << (2 * BITS))
     return packed
 
 
 @triton.jit
 def _nonfinite(v):
-    """How many of each tile's fp16 values ``v [..., n]`` are Inf or NaN (NaN fails every comparison)."""
-    return tl.sum((~(tl.abs(v.to(tl.float32)) < float("inf"))).to(tl.int32), axis=-1)
+    """How many of the fp16 values ``v`` are Inf or NaN (NaN fails every comparison)."""
+    return tl.sum((~(tl.abs(v.to(tl.float32)) < float("inf"))).to(tl.int32), axis=0)
 
 
 @triton.jit
-def _per_tile(v, N: tl.constexpr, PAIR: tl.constexpr):
-    """A tile's value (scalar; ``[2]`` for two tiles, ``PAIR``) against its ``N``-axis blocks: two
-    tiles' values get ``N`` trailing axes, so each broadcasts over its own tile's block."""
-    if PAIR:
-        v = tl.expand_dims(v, -1)
-        if N == 2:
-            v = tl.expand_dims(v, -1)
-    return v
-
-
-@triton.jit
-def _load(ptrs, ok, PAIR: tl.constexpr):
-    """``ptrs`` loaded; for two tiles only where ``ok`` (the second of an odd count is absent)."""
-    if PAIR:
-        return tl.load(ptrs, mask=ok, other=0)
-    else:
-        return tl.load(ptrs)
-
-
-@triton.jit
-def _store(ptrs, v, ok, PAIR: tl.constexpr):
-    if PAIR:
-        tl.store(ptrs, v, mask=ok)
-    else:
-        tl.store(ptrs, v)
-
-
-@triton.jit
-def _load_tile(ptr, off, s_r, s_c, R: tl.constexpr, C: tl.constexpr, ok, PAIR: tl.constexpr):
-    """The tile ``[R, C]`` in its stored dtype; two (``PAIR``), ``[2, R, C]``, at offsets ``off [2]``."""
+def _load_tile(ptr, off, s_r, s_c, R: tl.constexpr, C: tl.constexpr):
+    """The tile in its stored dtype."""
     rows = tl.arange(0, R)
     cols = tl.arange(0, C)
-    return _load(ptr + _per_tile(off, 2, PAIR) + rows[:, None] * s_r + cols[None, :] * s_c, _per_tile(ok, 2, PAIR),
-                 PAIR)
+    return tl.load(ptr + off + rows[:, None] * s_r + cols[None, :] * s_c)
 
 
 @triton.jit
-def _rotate(x, D: tl.constexpr, inv_sqrt_d, PAIR: tl.constexpr):
-    """``x @ H`` in fp32 of rows ``x [R, D]`` as stored (two tiles' rows, ``x [2, R, D]``: one scale
-    each, as if rotated apart). The MMAs take fp16 halves of their input, so
+def _rotate(x, D: tl.constexpr, inv_sqrt_d):
+    """``x @ H`` in fp32 of rows ``x [R, D]`` as stored. The MMAs take fp16 halves of their input, so
     the tile is brought to a largest magnitude of at most 1 by a power of two first (and back
     after): values past the fp16 range (bf16 or fp32 models) and tiny ones keep fp32's relative
     precision. fp16 rows go into the first MMA as they are (exact) and its sums are scaled before
     the second: one MMA fewer and no fp16 split of the input (fp16 models, the cache's usual tail)."""
-    R: tl.constexpr = x.shape[-2]
     if x.dtype == tl.float16:  # each thread's 8-value runs first: one max in registers, not shuffles per row
-        runs = tl.reshape(tl.abs(x), [2, R, D // 8, 8] if PAIR else [R, D // 8, 8])
-        amax = tl.max(tl.max(tl.max(runs, axis=-1), axis=-2), axis=-1)
+        amax = tl.max(tl.max(tl.max(tl.reshape(tl.abs(x), [x.shape[0], D // 8, 8]), axis=2), axis=0), axis=0)
     else:
-        amax = tl.max(tl.max(tl.abs(x), axis=-1), axis=-1)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
     amax = amax.to(tl.float32)
     scale = tl.exp2(tl.where(amax > 0, tl.ceil(tl.log2(amax)), 0.0))
-    if PAIR:  # one product of 2R rows; the first MMA's rows (row, high channel bits) take their tile's scale
-        A: tl.constexpr = D // 16
-        if x.dtype == tl.float16:
-            mid = tl.reshape(tl.broadcast_to(_per_tile(1.0 / scale, 2, PAIR), [2, R, A]), [2 * R * A, 1])
-            y = hadamard_rows(tl.reshape(x, [2 * R, D]), D, True, mid)
-        else:
-            y = hadamard_rows(tl.reshape(x.to(tl.float32) / _per_tile(scale, 2, PAIR), [2 * R, D]), D, True)
-        return tl.reshape(y, [2, R, D]) * _per_tile(inv_sqrt_d * scale, 2, PAIR)
-    elif x.dtype == tl.float16:
+    if x.dtype == tl.float16:
         return hadamard_rows(x, D, True, 1.0 / scale) * (inv_sqrt_d * scale)
     else:
         return hadamard_rows(x.to(tl.float32) / scale, D, True) * (inv_sqrt_d * scale)
 
 
 @triton.jit
-def _frame_rows(raw, rot, D: tl.constexpr, inv_sqrt_d, HAS_ROT: tl.constexpr, PAIR: tl.constexpr):
+def _frame_rows(raw, rot, D: tl.constexpr, inv_sqrt_d):
     """Model-frame rows ``[R, D]`` as stored -> fp32, rotated (:func:`_rotate`) where ``rot``
-    (a tile's flag, or True). One tile branches, so an unrotated tile skips the MMAs; two tiles
-    (``[2, R, D]``) rotate both and keep each tile's form."""
-    if PAIR:
-        x = _rotate(raw, D, inv_sqrt_d, PAIR)
-        if HAS_ROT:
-            x = tl.where(_per_tile(rot, 2, PAIR), x, raw.to(tl.float32))
-    elif rot:
-        x = _rotate(raw, D, inv_sqrt_d, PAIR)
+    (a tile's flag, or True)."""
+    if rot:
+        x = _rotate(raw, D, inv_sqrt_d)
     else:
         x = raw.to(tl.float32)
     return x
@@ -394,27 +343,19 @@ def _encode_tiles_kernel(
     HAS_NORM: tl.constexpr, ROTATE: tl.constexpr, HAS_ROT: tl.constexpr, HAS_SLOT: tl.constexpr,
     CHECK: tl.constexpr, KQ: tl.constexpr, KLO0: tl.constexpr, KLO1: tl.constexpr, KHI0: tl.constexpr,
     KHI1: tl.constexpr, VQ: tl.constexpr, VLO0: tl.constexpr, VLO1: tl.constexpr, VHI0: tl.constexpr,
-    VHI1: tl.constexpr, ASM: tl.constexpr, PERSIST: tl.constexpr, PAIR: tl.constexpr,
+    VHI1: tl.constexpr, ASM: tl.constexpr, PERSIST: tl.constexpr,
 ):
     kv = tl.program_id(1)  # 0: the K tile, 1: the V tile
-    # Each program encodes units pid, pid + programs, ... under a capped grid (PERSIST), else one:
+    # Each program encodes tiles pid, pid + programs, ... under a capped grid (PERSIST), else one:
     # a loop of one known trip, which the compiler removes (a loop costs registers at a cap of 128).
-    # A unit is a tile, or two (PAIR: tiles 2u and 2u + 1, as one [2, R, C] block: two tiles'
-    # reductions in flight a program, where one tile leaves its SM waiting on each of them).
     first = tl.program_id(0)
-    n_units = (n_tiles + 1) // 2 if PAIR else n_tiles
-    for unit in range(first, n_units if PERSIST else first + 1, tl.num_programs(0) if PERSIST else 1):
-        if PAIR:
-            tile = 2 * unit + tl.arange(0, 2)
-        else:
-            tile = unit
-        ok = tile < n_tiles  # read by the two-tile form only
+    for tile in range(first, n_tiles if PERSIST else first + 1, tl.num_programs(0) if PERSIST else 1):
         if HAS_NORM:  # flags [tiles, 4] int8: K, V normalized; K, V rotated
-            norm = _load(flag_ptr + tile * 4 + kv, ok, PAIR) != 0
+            norm = tl.load(flag_ptr + tile * 4 + kv) != 0
         else:
             norm = True
         if HAS_ROT:
-            rot = _load(flag_ptr + tile * 4 + 2 + kv, ok, PAIR) != 0
+            rot = tl.load(flag_ptr + tile * 4 + 2 + kv) != 0
         else:
             rot = True
         i2 = tile % N2
@@ -426,22 +367,21 @@ def _encode_tiles_kernel(
         if kv == 0:
             off = _field_offset(i0, i1, i2, k_s0, k_s1, k_s2)
             if ROTATE:  # model-frame keys: rotate each token (rows of [G, D]), then the tile is [D, G]
-                xk = _frame_rows(_load_tile(k_ptr, off, k_sc, k_sr, G, D, ok, PAIR), rot, D, inv_sqrt_d, HAS_ROT, PAIR)
-                xk = tl.permute(xk, (0, 2, 1)) if PAIR else tl.trans(xk)
+                xk = tl.trans(_frame_rows(_load_tile(k_ptr, off, k_sc, k_sr, G, D), rot, D, inv_sqrt_d))
             else:
-                xk = _load_tile(k_ptr, off, k_sr, k_sc, D, G, ok, PAIR).to(tl.float32)
+                xk = _load_tile(k_ptr, off, k_sr, k_sc, D, G).to(tl.float32)
             _encode_one(
                 xk,
                 kc_ptr, _field_offset(i0, i1, o2, kc_s0, kc_s1, kc_s2),
                 ks_ptr, _field_offset(i0, i1, o2, ks_s0, ks_s1, ks_s2),
                 kz_ptr, _field_offset(i0, i1, o2, kz_s0, kz_s1, kz_s2),
                 kr_ptr, _field_offset(i0, i1, o2, kr_s0, kr_s1, kr_s2),
-                bad_ptr, norm, D, G, KB, ITERS, CHECK, KQ, KLO0, KLO1, KHI0, KHI1, k_clo, k_chi, ASM, ok, PAIR,
+                bad_ptr, norm, D, G, KB, ITERS, CHECK, KQ, KLO0, KLO1, KHI0, KHI1, k_clo, k_chi, ASM,
             )
         else:
-            raw = _load_tile(v_ptr, _field_offset(i0, i1, i2, v_s0, v_s1, v_s2), v_sr, v_sc, G, D, ok, PAIR)
+            raw = _load_tile(v_ptr, _field_offset(i0, i1, i2, v_s0, v_s1, v_s2), v_sr, v_sc, G, D)
             if ROTATE:
-                xv = _frame_rows(raw, rot, D, inv_sqrt_d, HAS_ROT, PAIR)
+                xv = _frame_rows(raw, rot, D, inv_sqrt_d)
             else:
                 xv = raw.to(tl.float32)
             _encode_one(
@@ -450,7 +390,7 @@ def _encode_tiles_kernel(
                 vs_ptr, _field_offset(i0, i1, o2, vs_s0, vs_s1, vs_s2),
                 vz_ptr, _field_offset(i0, i1, o2, vz_s0, vz_s1, vz_s2),
                 vcs_ptr, _field_offset(i0, i1, o2, vcs_s0, vcs_s1, vcs_s2),
-                bad_ptr, norm, G, D, VB, ITERS, CHECK, VQ, VLO0, VLO1, VHI0, VHI1, v_clo, v_chi, ASM, ok, PAIR,
+                bad_ptr, norm, G, D, VB, ITERS, CHECK, VQ, VLO0, VLO1, VHI0, VHI1, v_clo, v_chi, ASM,
             )
 
 
@@ -504,17 +444,6 @@ def _launch_options(n_tiles: int, tile_elems: int, device: torch.device, quantil
     return {"num_warps": 8}
 
 
-def _tiles_in_flight(n_tiles: int, programs: int | None, tile_elems: int, quantiles: bool) -> int:
-    """Two tiles a program where a capped grid (``programs``, the encodes beside the decode step:
-    about one program per SM) leaves each program two tiles or more, and a pair fits in 255
-    registers at 8 warps (128 of the tiles' values a thread, as one tile at 4 warps); else one.
-    Measured on the H200 (BENCHMARKS.md, the freeze step): an 8-warp program alone on an SM takes
-    a tile's reductions one at a time, and the SM idles while each completes."""
-    if programs is None or n_tiles < 2 * programs or tile_elems > 16384 or quantiles:
-        return 1
-    return 2
-
-
 def _options(default: dict, num_warps: int | None, max_registers: int | None) -> dict:
     """The launch options: the defaults with the caller's knobs over them (the default register cap
     goes with the default warps); no register cap under the interpreter (it has no registers)."""
@@ -533,7 +462,7 @@ def encode_tiles(
     *, normalize: tuple[torch.Tensor, torch.Tensor] | None = None,
     rotate: bool | tuple[torch.Tensor, torch.Tensor] | None = None, slot: torch.Tensor | None = None,
     bad: torch.Tensor | None = None, num_warps: int | None = None, max_registers: int | None = None,
-    programs: int | None = None, tiles_in_flight: int | None = None,
+    programs: int | None = None,
 ) -> TileFields:
     """Quantize tiles in one launch. k_tiles: ``[..., D, G]``, v_tiles: ``[..., G, D]``.
 
@@ -559,10 +488,6 @@ def encode_tiles(
     every ``programs``-th tile (default: one program a tile; the launch options follow the
     programs): the same bits, in a launch that leaves SMs to the kernels it runs beside (the
     decode step's encodes on a side stream, see :meth:`~kvarn.integrations.triton_codec.TritonTileCodec.beside`).
-    ``tiles_in_flight``: 1, or 2 for two tiles as one block per program (tiles 2u and 2u + 1), whose
-    reductions overlap where one program alone on an SM would wait on each (the default where
-    ``programs`` leaves a program at least two tiles and a pair fits in registers: see
-    ``_tiles_in_flight``); like ``num_warps``, it sets the reduction order, not the encoding.
     """
     if not isinstance(config, KVarNConfig):
         raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")
@@ -596,8 +521,6 @@ def encode_tiles(
     check_launch_knobs(num_warps, max_registers)
     if programs is not None and (isinstance(programs, bool) or not isinstance(programs, int) or programs < 1):
         raise ValueError(f"programs must be an int >= 1 (programs per K and per V), got {programs!r}")
-    if tiles_in_flight is not None and (isinstance(tiles_in_flight, bool) or tiles_in_flight not in (1, 2)):
-        raise ValueError(f"tiles_in_flight must be 1 or 2 (tiles a program encodes at once), got {tiles_in_flight!r}")
     if bad is not None and (not isinstance(bad, torch.Tensor) or bad.dtype != torch.int32 or bad.numel() != 1):
         raise ValueError(f"bad must be an int32 tensor of one element, got {bad!r}")
     n_tiles = 1
@@ -627,12 +550,8 @@ def encode_tiles(
         args += [getattr(out, name), *strides(name, inner)]
     kq, vq = config.quantiles
     kt, vt = _quantile_taps(kq, g), _quantile_taps(vq, d)  # K rows run over G tokens, V rows over D channels
-    quantiles = kt[0] or vt[0]
-    pair = (tiles_in_flight or _tiles_in_flight(n_tiles, programs, d * g, quantiles)) == 2
-    units = (n_tiles + 1) // 2 if pair else n_tiles
-    grid = min(units, programs or units)
-    opts = _options({"num_warps": 8} if pair else _launch_options(grid, d * g, dev, quantiles), num_warps,
-                    max_registers)
+    grid = min(n_tiles, programs or n_tiles)
+    opts = _options(_launch_options(grid, d * g, dev, kt[0] or vt[0]), num_warps, max_registers)
     _encode_tiles_kernel[(grid, 2)](
         k_tiles, *_lead3(k_tiles, n_lead), k_tiles.stride(-2), k_tiles.stride(-1),
         v_tiles, *_lead3(v_tiles, n_lead), v_tiles.stride(-2), v_tiles.stride(-1),
@@ -643,6 +562,6 @@ def encode_tiles(
         HAS_SLOT=slot is not None, CHECK=bad is not None,
         KQ=kt[0], KLO0=kt[1][0], KLO1=kt[1][1], KHI0=kt[1][2], KHI1=kt[1][3],
         VQ=vt[0], VLO0=vt[1][0], VLO1=vt[1][1], VHI0=vt[1][2], VHI1=vt[1][3], ASM=not interpreting(),
-        PERSIST=grid < units, PAIR=pair, **opts,
+        PERSIST=grid < n_tiles, **opts,
     )
     return out
