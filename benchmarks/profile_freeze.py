@@ -14,6 +14,13 @@ those of the longest and the shortest tails; the JSON keeps every replay in orde
 (torch 2.11) the first window came back with no kernel timings (the script says so and goes on), so
 with ``--new 272`` one freeze is reported.
 
+Then each fill and flush replay is compared kernel by kernel with its neighbouring plain replay
+(:func:`compare`): the step's own kernels aligned by name, each one's time in both, whether an
+encode ran beside it, the idle gaps on the step's stream (a wait on a side-stream event shows as a
+longer gap), the kernels only the freeze step has, and the idle time between one replay's last
+kernel and the next one's first (what a step-to-step clock like ``bench_e2e``'s sees beyond the
+span).
+
     PYTHONPATH=. python benchmarks/profile_freeze.py --context 8192 --out benchmarks/results/profile_freeze_h200.json
 """
 
@@ -71,7 +78,107 @@ def replays(trace: dict) -> list[dict]:
             c, s = fams.get(family(k["name"]), (0, 0.0))
             fams[family(k["name"])] = (c + 1, s + k.get("dur", 0))
         span = max(k["ts"] + k.get("dur", 0) for k in ks) - min(k["ts"] for k in ks)
-        out.append({"kind": kind, "span_us": span, "families": fams})
+        t0k = min(k["ts"] for k in ks)
+        line = sorted((k["name"], k["ts"] - t0k, k.get("dur", 0)) for k in ks)
+        out.append({"kind": kind, "span_us": span, "families": fams,
+                    "kernels": sorted(line, key=lambda k: k[1]), "start": t0k, "end": t0k + span})
+    # What a step-to-step clock (bench_e2e's events) sees beyond the span: the idle time between the
+    # previous replay's last kernel and this one's first (graph launch, the join of the side stream).
+    for prev, r in zip([None] + out[:-1], out):
+        r["lead_in_us"] = r["start"] - prev["end"] if prev is not None else None
+    for r, nxt in zip(out, out[1:] + [None]):
+        r["interval_us"] = nxt["start"] - r["start"] if nxt is not None else None
+    for r in out:
+        del r["start"], r["end"]
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _covered(a: float, b: float, union: list[tuple[float, float]]) -> float:
+    """The part of [a, b] inside the union of intervals (µs)."""
+    return sum(max(0.0, min(b, y) - max(a, x)) for x, y in union)
+
+
+def compare(plain: dict, freeze: dict) -> dict:
+    """What a freeze replay spends beyond a plain replay, kernel by kernel on the step's stream.
+
+    The step's own kernels (all but the encoder's, which run on the side stream) are aligned by
+    name between the two replays (``difflib``; the freeze step's extra kernels are counted apart).
+    For each aligned kernel: its duration in each, the idle gap before it on the step's stream in
+    each (a wait on a side-stream event, or launch latency), and the share of its duration during
+    which an encode ran. The excess of the freeze step's span is split into: kernels slowed while
+    an encode ran beside them ("overlapped": at least half their time), kernels slowed without one,
+    longer gaps (with and without an encode running), and extra kernels.
+    """
+    import difflib
+
+    def split(r):
+        main = [k for k in r["kernels"] if family(k[0]) != "encode"]
+        enc = [(k[1], k[1] + k[2]) for k in r["kernels"] if family(k[0]) == "encode"]
+        return main, _union(enc)
+
+    mp, _ = split(plain)
+    mf, enc = split(freeze)
+    sm = difflib.SequenceMatcher(a=[k[0] for k in mp], b=[k[0] for k in mf], autojunk=False)
+    rows = []  # (family, overlapped share, dur plain, dur freeze, gap plain, gap freeze)
+    extra, extra_names = 0.0, {}
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag == "equal":
+            for i, j in zip(range(i1, i2), range(j1, j2)):
+                gp = mp[i][1] - (mp[i - 1][1] + mp[i - 1][2]) if i else 0.0
+                gf = mf[j][1] - (mf[j - 1][1] + mf[j - 1][2]) if j else 0.0
+                a, d = mf[j][1], mf[j][2]
+                ov = _covered(a, a + d, enc) / d if d > 0 else 0.0
+                gov = _covered(a - max(gf, 0.0), a, enc) / gf if gf > 0 else 0.0
+                rows.append((family(mf[j][0]), ov, mp[i][2], mf[j][2], max(gp, 0.0), max(gf, 0.0), gov))
+        else:
+            extra += sum(k[2] for k in mf[j1:j2]) - sum(k[2] for k in mp[i1:i2])
+            for k in mf[j1:j2]:
+                extra_names[k[0][:60]] = extra_names.get(k[0][:60], 0) + 1
+            for k in mp[i1:i2]:
+                extra_names[k[0][:60]] = extra_names.get(k[0][:60], 0) - 1
+    def total(sel, col):
+        return sum(r[col] for r in rows if sel(r))
+    out = {"span_plain_us": plain["span_us"], "span_freeze_us": freeze["span_us"],
+           "encode_busy_us": sum(b - a for a, b in enc), "aligned": len(rows),
+           "unaligned_extra_us": extra, "families": {}}
+    for fam in sorted({r[0] for r in rows}):
+        for name, sel in (("overlapped", lambda r, f=fam: r[0] == f and r[1] >= 0.5),
+                          ("alone", lambda r, f=fam: r[0] == f and r[1] < 0.5)):
+            n = sum(1 for r in rows if sel(r))
+            if n:
+                out["families"][f"{fam} {name}"] = {"count": n, "plain_us": total(sel, 2),
+                                                    "freeze_us": total(sel, 3)}
+    out["gaps"] = {"plain_us": total(lambda r: True, 4), "freeze_us": total(lambda r: True, 5),
+                   "freeze_with_encode_us": sum(r[5] * r[6] for r in rows)}
+    waits = sorted(((r[5] - r[4], r[0]) for r in rows), reverse=True)[:8]
+    out["unaligned_kernels"] = {n: c for n, c in sorted(extra_names.items(), key=lambda x: -abs(x[1]))
+                                if c}  # net count: freeze step's minus plain step's
+    out["longest_extra_gaps_us"] = [[round(w, 1), f] for w, f in waits]
+    return out
+
+
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Each fill and flush replay against its nearest plain replay (the tail decides the
+    attention's time: the fill step against the plain step before it, the flush step against the
+    one after it)."""
+    out = []
+    for n, r in enumerate(rows):
+        if r["kind"] == "plain" or "kernels" not in r:
+            continue
+        order = range(n - 1, -1, -1) if r["kind"] == "fill" else range(n + 1, len(rows))
+        ref = next((rows[m] for m in order if rows[m]["kind"] == "plain"), None)
+        if ref is not None:
+            out.append({"kind": r["kind"], **compare(ref, r)})
     return out
 
 
@@ -163,6 +270,15 @@ def main() -> None:
     if not any(r["kind"] != "plain" for r in rows):
         sys.exit("no replayed fill or flush step in the trace (use --new of at least two tiles)")
     summary = summarize(rows)
+    versus = comparisons(rows)
+    print("| replay | GPU span µs | idle before it µs | to the next replay's first kernel µs |")
+    print("|---|---|---|---|")
+    for r in rows:
+        lead = "-" if r["lead_in_us"] is None else f"{r['lead_in_us']:.1f}"
+        nxt = "-" if r["interval_us"] is None else f"{r['interval_us']:.0f}"
+        print(f"| {r['kind']} | {r['span_us']:.0f} | {lead} | {nxt} |")
+    for r in rows:
+        r.pop("kernels", None)
     fams = ["gemm", "attention", "encode", "append", "other"]
     print(f"context {a.context} x B {a.batch}, {a.preset}: µs (kernels)")
     print("| step | GPU span µs | " + " | ".join(fams) + " |")
@@ -170,10 +286,25 @@ def main() -> None:
     for r in summary:
         cells = [f"{r['families'].get(f, (0, 0))[1]:.0f} ({r['families'].get(f, (0, 0))[0]})" for f in fams]
         print(f"| {r['kind']} | {r['span_us']:.0f} | " + " | ".join(cells) + " |")
+    for c in versus:
+        print(f"\n{c['kind']} against its neighbouring plain step: span {c['span_plain_us']:.0f} -> "
+              f"{c['span_freeze_us']:.0f} µs; encodes busy {c['encode_busy_us']:.0f} µs; "
+              f"{c['aligned']} kernels aligned, extra kernels {c['unaligned_extra_us']:+.0f} µs")
+        print("| step-stream kernels | count | plain µs | freeze µs | excess µs |")
+        print("|---|---|---|---|---|")
+        for name, f in c["families"].items():
+            print(f"| {name} | {f['count']} | {f['plain_us']:.0f} | {f['freeze_us']:.0f} | "
+                  f"{f['freeze_us'] - f['plain_us']:+.0f} |")
+        g = c["gaps"]
+        print(f"| idle gaps (encode beside: {g['freeze_with_encode_us']:.0f}) | | {g['plain_us']:.0f} | "
+              f"{g['freeze_us']:.0f} | {g['freeze_us'] - g['plain_us']:+.0f} |")
+        print(f"longest extra gaps (µs, before a kernel of): {c['longest_extra_gaps_us']}")
+        print(f"kernels the freeze step has beyond the plain one (net count): {c['unaligned_kernels']}")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "args": vars(a),
-                   "replays": rows, "summary": summary}, fh, indent=1)
+                   "replays": rows, "summary": summary,
+                   "versus_plain": versus}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ which no user code should do):
   batch 16; default: decode_greedy's, a quarter of the SMs);
 - ``options``: the side-stream encodes' warps and register cap (None: the launch's own,
   ``kvarn.kernels.encode._launch_options``);
+- ``spin``: no encoder at all: each side-stream encode launch is replaced by a kernel of P programs
+  (8 warps, each holding three 128 x 128 fp32 tiles in registers, about the encoder's register
+  file, so that neither a GEMM block nor a second program fits beside it)
+  that spins for T µs and writes nothing (``spin_pP_tT``; the tiles are not encoded, so the
+  tokens are meaningless: timing only). What the step pays for SMs held for a time, whatever runs
+  on them: the encoder's own cost beside the step is then the spin of its grid and its window;
 - ``priority``: the captured step's stream at a higher priority than the side stream, with
   ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` (set by this script when a schedule asks for it) so that
   graph replays keep the captured streams' priorities: the block scheduler then dispatches the
@@ -76,6 +82,10 @@ SCHEDULES = {  # name: (early layers, programs, launch options, step stream prio
     "one_step_prio": ("all", None, None, True),
     "one_step_w4_prio": ("all", None, W4, True),
 }
+SPINS = {  # name: (programs in all, µs each holds its SM); the schedule is otherwise the default split
+    f"spin_p{p}_t{t}": (p, t) for p, t in ((66, 1), (66, 55), (66, 110), (66, 220), (33, 220), (132, 55))
+}
+SCHEDULES.update({name: (DEFAULT, DEFAULT, None, False) for name in SPINS})
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--contexts", nargs="+", type=int, default=[32768])
@@ -95,13 +105,16 @@ if ARGS is not None and any(SCHEDULES[n][3] for n in ARGS.schedules):
     os.environ.setdefault("CUDA_GRAPHS_USE_NODE_PRIORITY", "1")  # before CUDA starts
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.language.extra.cuda import globaltimer  # noqa: E402
 
 import bench_e2e as be  # noqa: E402
 from kvarn import kernels  # noqa: E402
 from kvarn.integrations import hf_attention, hf_graph  # noqa: E402
 
 
-def schedule(early, programs, options=None, priority=False) -> None:
+def schedule(early, programs, options=None, priority=False, spin=None) -> None:
     """Set decode_greedy's choices (restored to its own by DEFAULT, None, False)."""
     if early == "all":
         hf_graph._early_layers = lambda layers: len(layers)
@@ -116,10 +129,38 @@ def schedule(early, programs, options=None, priority=False) -> None:
     BESIDE_OPTIONS.clear()
     BESIDE_OPTIONS.update(options or {})
     STEP_PRIORITY[0] = priority
+    SPIN[0] = spin
+
+
+@triton.jit
+def _spin_kernel(out_ptr, NS: tl.constexpr):
+    """Hold an SM for NS ns: three 128 x 128 fp32 tiles live in registers across a wait on the clock
+    (253 registers a thread at 8 warps, the encoder's 214, so that, like the encoder's, one program
+    fills an SM's register file: no second program and no GEMM block beside it; with one tile it
+    took 128, and two programs could share an SM)."""
+    rows = tl.arange(0, 128)
+    x = (rows[:, None] * 128 + rows[None, :]).to(tl.float32) * tl.program_id(0).to(tl.float32)
+    y = x + 1.0
+    z = x * 3.0
+    t0 = globaltimer()
+    t = t0
+    while t - t0 < NS:
+        t = globaltimer()
+        x = x * 0.5 + y
+        y = y * 0.25 + z
+        z = z * 0.125 + x
+    total = tl.sum(tl.sum(x + y + z, axis=1), axis=0)
+    tl.store(out_ptr + tl.program_id(0), total + (t - t0).to(tl.float32))
 
 
 def _encode_tiles(*args, programs=None, **kwargs):
     """kernels.encode_tiles with the schedule's launch options for side-stream (capped) encodes."""
+    if programs is not None and SPIN[0] is not None:
+        p, us = SPIN[0]
+        if SPIN_OUT[0] is None:  # first met in an eager step, before any capture
+            SPIN_OUT[0] = torch.empty(max(v[0] for v in SPINS.values()), device=args[0].device)
+        _spin_kernel[(p,)](SPIN_OUT[0], NS=int(us * 1000), num_warps=8)
+        return kwargs.get("out", args[3] if len(args) > 3 else None)
     if programs is not None:
         kwargs.update(BESIDE_OPTIONS)
     return OWN_ENCODE(*args, programs=programs, **kwargs)
@@ -135,6 +176,8 @@ def _graphs_init(self, *args, **kwargs):
 def main(a) -> None:
     if a.repeats < 1:
         sys.exit(f"--repeats {a.repeats}: give at least 1 pass over the schedules")
+    if a.device == "cpu" and any(n in SPINS for n in a.schedules):
+        sys.exit("the spin schedules read the GPU's clock: --device cuda only")
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device (use --device cpu --shape tiny for a check)")
     torch.manual_seed(0)
@@ -147,7 +190,7 @@ def main(a) -> None:
     for ctx in a.contexts:
         for preset in a.presets:
             for name in [n for _ in range(a.repeats) for n in a.schedules]:
-                schedule(*SCHEDULES[name])
+                schedule(*SCHEDULES[name], spin=SPINS.get(name))
                 t0 = time.time()
                 r = be.run_one(model, f"kvarn_graph:{preset}", a.batch, ctx, a.new, 4096, a.device)
                 gaps, step = r["gaps_ms"], r["step_ms"]
@@ -175,6 +218,8 @@ def main(a) -> None:
 OWN_EARLY, OWN_PROGRAMS = hf_graph._early_layers, hf_graph._beside_programs
 OWN_ENCODE, OWN_GRAPHS_INIT = kernels.encode_tiles, hf_graph._Graphs.__init__
 BESIDE_OPTIONS: dict = {}
+SPIN: list = [None]  # (programs, µs) of the spin schedules, else None
+SPIN_OUT: list = [None]  # the spin kernel's scratch output (allocated before capture, then reused)
 STEP_PRIORITY = [False]
 kernels.encode_tiles = _encode_tiles
 hf_graph._Graphs.__init__ = _graphs_init
