@@ -13,11 +13,12 @@ which no user code should do):
 - ``options``: the side-stream encodes' warps and register cap (None: the launch's own,
   ``kvarn.kernels.encode._launch_options``);
 - ``spin``: no encoder at all: each side-stream encode launch is replaced by a kernel of P programs
-  (8 warps, each holding three 128 x 128 fp32 tiles in registers, about the encoder's register
-  file, so that neither a GEMM block nor a second program fits beside it)
-  that spins for T µs and writes nothing (``spin_pP_tT``; the tiles are not encoded, so the
+  at 8 warps that holds its SMs for T µs and writes nothing (the tiles are not encoded, so the
   tokens are meaningless: timing only). What the step pays for SMs held for a time, whatever runs
-  on them: the encoder's own cost beside the step is then the spin of its grid and its window;
+  on them, against what it pays for the encoder's launches. ``spin_pP_tT``: each program holds
+  three fp32 tiles in registers, the encoder's footprint (one program fills an SM's register
+  file); ``spin1_pP_tT``: one tile, 128 registers (two programs can share an SM, and small kernels
+  fit beside one: session 24's run, BENCHMARKS.md);
 - ``priority``: the captured step's stream at a higher priority than the side stream, with
   ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` (set by this script when a schedule asks for it) so that
   graph replays keep the captured streams' priorities: the block scheduler then dispatches the
@@ -82,8 +83,9 @@ SCHEDULES = {  # name: (early layers, programs, launch options, step stream prio
     "one_step_prio": ("all", None, None, True),
     "one_step_w4_prio": ("all", None, W4, True),
 }
-SPINS = {  # name: (programs in all, µs each holds its SM); the schedule is otherwise the default split
-    f"spin_p{p}_t{t}": (p, t) for p, t in ((66, 1), (66, 55), (66, 110), (66, 220), (33, 220), (132, 55))
+SPINS = {  # name: (programs in all, µs each holds its SM, three tiles); otherwise the default split
+    f"spin{'' if three else '1'}_p{p}_t{t}": (p, t, three) for three in (True, False)
+    for p, t in ((66, 1), (66, 55), (66, 110), (66, 165), (66, 220), (33, 220), (132, 55))
 }
 SCHEDULES.update({name: (DEFAULT, DEFAULT, None, False) for name in SPINS})
 
@@ -133,11 +135,14 @@ def schedule(early, programs, options=None, priority=False, spin=None) -> None:
 
 
 @triton.jit
-def _spin_kernel(out_ptr, NS: tl.constexpr):
-    """Hold an SM for NS ns: three 128 x 128 fp32 tiles live in registers across a wait on the clock
-    (253 registers a thread at 8 warps, the encoder's 214, so that, like the encoder's, one program
-    fills an SM's register file: no second program and no GEMM block beside it; with one tile it
-    took 128, and two programs could share an SM)."""
+def _spin_kernel(out_ptr, NS: tl.constexpr, THREE: tl.constexpr):
+    """Hold an SM for NS ns with 128 x 128 fp32 tiles live in registers across a wait on the clock.
+
+    THREE: three tiles, 253 registers a thread at 8 warps (the encoder's: 214), so that, like an
+    encoder program, one program fills its SM's register file (no second program, no GEMM block,
+    and almost no small kernel beside it). Else one tile, 128 registers: no GEMM block beside it
+    either, but two programs can share an SM, and small kernels fit beside one.
+    """
     rows = tl.arange(0, 128)
     x = (rows[:, None] * 128 + rows[None, :]).to(tl.float32) * tl.program_id(0).to(tl.float32)
     y = x + 1.0
@@ -146,20 +151,22 @@ def _spin_kernel(out_ptr, NS: tl.constexpr):
     t = t0
     while t - t0 < NS:
         t = globaltimer()
-        x = x * 0.5 + y
-        y = y * 0.25 + z
-        z = z * 0.125 + x
-    total = tl.sum(tl.sum(x + y + z, axis=1), axis=0)
+        x = x * 0.5 + 1.0
+        if THREE:
+            x = x + y
+            y = y * 0.25 + z
+            z = z * 0.125 + x
+    total = tl.sum(tl.sum(x + y + z if THREE else x, axis=1), axis=0)
     tl.store(out_ptr + tl.program_id(0), total + (t - t0).to(tl.float32))
 
 
 def _encode_tiles(*args, programs=None, **kwargs):
     """kernels.encode_tiles with the schedule's launch options for side-stream (capped) encodes."""
     if programs is not None and SPIN[0] is not None:
-        p, us = SPIN[0]
+        p, us, three = SPIN[0]
         if SPIN_OUT[0] is None:  # first met in an eager step, before any capture
             SPIN_OUT[0] = torch.empty(max(v[0] for v in SPINS.values()), device=args[0].device)
-        _spin_kernel[(p,)](SPIN_OUT[0], NS=int(us * 1000), num_warps=8)
+        _spin_kernel[(p,)](SPIN_OUT[0], NS=int(us * 1000), THREE=three, num_warps=8)
         return kwargs.get("out", args[3] if len(args) > 3 else None)
     if programs is not None:
         kwargs.update(BESIDE_OPTIONS)
@@ -218,7 +225,7 @@ def main(a) -> None:
 OWN_EARLY, OWN_PROGRAMS = hf_graph._early_layers, hf_graph._beside_programs
 OWN_ENCODE, OWN_GRAPHS_INIT = kernels.encode_tiles, hf_graph._Graphs.__init__
 BESIDE_OPTIONS: dict = {}
-SPIN: list = [None]  # (programs, µs) of the spin schedules, else None
+SPIN: list = [None]  # (programs, µs, three tiles) of the spin schedules, else None
 SPIN_OUT: list = [None]  # the spin kernel's scratch output (allocated before capture, then reused)
 STEP_PRIORITY = [False]
 kernels.encode_tiles = _encode_tiles
