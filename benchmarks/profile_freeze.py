@@ -15,7 +15,7 @@ those of the longest and the shortest tails; the JSON keeps every replay in orde
 with ``--new 272`` one freeze is reported.
 
 Then each fill and flush replay is compared kernel by kernel with its neighbouring plain replay
-(:func:`compare`): the step's own kernels aligned by name, each one's time in both, whether an
+(:func:`compare`): the step's own kernels paired by name and occurrence, each one's time in both, whether an
 encode ran beside it, the idle gaps on the step's stream (a wait on a side-stream event shows as a
 longer gap), the kernels only the freeze step has, and the idle time between one replay's last
 kernel and the next one's first (what a step-to-step clock like ``bench_e2e``'s sees beyond the
@@ -52,7 +52,9 @@ def family(name: str) -> str:
 
 
 def replays(trace: dict) -> list[dict]:
-    """Per tagged replay, in order: its kind, GPU span (µs) and per-family (count, summed µs).
+    """Per tagged replay, in order: its kind, GPU span (µs), per-family (count, summed µs), its
+    kernels (``[name, start µs from the replay's first kernel, µs, stream]``, by start), and the
+    idle time before it and to the next replay's first kernel (:func:`main`).
 
     A replay is a host range ``replay:KIND`` (recorded around ``_Graphs._replay``); the graph launch
     inside it (a runtime event whose name contains ``GraphLaunch``) carries a correlation id that
@@ -77,13 +79,15 @@ def replays(trace: dict) -> list[dict]:
         for k in ks:
             c, s = fams.get(family(k["name"]), (0, 0.0))
             fams[family(k["name"])] = (c + 1, s + k.get("dur", 0))
-        span = max(k["ts"] + k.get("dur", 0) for k in ks) - min(k["ts"] for k in ks)
-        t0k = min(k["ts"] for k in ks)
-        line = sorted((k["name"], k["ts"] - t0k, k.get("dur", 0)) for k in ks)
-        out.append({"kind": kind, "span_us": span, "families": fams,
-                    "kernels": sorted(line, key=lambda k: k[1]), "start": t0k, "end": t0k + span})
-    # What a step-to-step clock (bench_e2e's events) sees beyond the span: the idle time between the
-    # previous replay's last kernel and this one's first (graph launch, the join of the side stream).
+        first = min(k["ts"] for k in ks)
+        span = max(k["ts"] + k.get("dur", 0) for k in ks) - first
+        line = sorted(([k["name"], k["ts"] - first, k.get("dur", 0), k.get("args", {}).get("stream")]
+                       for k in ks), key=lambda k: k[1])
+        out.append({"kind": kind, "span_us": span, "families": fams, "kernels": line,
+                    "start": first, "end": first + span})
+    # What a step-to-step clock (bench_e2e's events) sees beyond the span: the time between the
+    # previous replay's last kernel and this one's first (graph launch, the eager copy of the
+    # token between replays).
     for prev, r in zip([None] + out[:-1], out):
         r["lead_in_us"] = r["start"] - prev["end"] if prev is not None else None
     for r, nxt in zip(out, out[1:] + [None]):
@@ -108,49 +112,70 @@ def _covered(a: float, b: float, union: list[tuple[float, float]]) -> float:
     return sum(max(0.0, min(b, y) - max(a, x)) for x, y in union)
 
 
+def _step_kernels(r: dict) -> list[list]:
+    """The replay's kernels on the step's stream, by start. The step's stream is the first kernel's
+    (the step begins there); when the trace gives every kernel the same stream (or none), all but
+    the encoder's are taken, and the side stream's small kernels (the slot's cast before each
+    encode) stay in: :func:`compare` then leaves them unpaired by count."""
+    ks = r["kernels"]
+    streams = {k[3] for k in ks}
+    if len(streams) > 1 and ks[0][3] is not None:
+        return [k for k in ks if k[3] == ks[0][3] and family(k[0]) != "encode"]
+    return [k for k in ks if family(k[0]) != "encode"]
+
+
+def _gaps(ks: list[list]) -> list[float]:
+    """Idle time before each kernel of a stream's sequence: its start less the latest end so far."""
+    out, last = [], None
+    for k in ks:
+        out.append(0.0 if last is None else max(0.0, k[1] - last))
+        last = k[1] + k[2] if last is None else max(last, k[1] + k[2])
+    return out
+
+
 def compare(plain: dict, freeze: dict) -> dict:
     """What a freeze replay spends beyond a plain replay, kernel by kernel on the step's stream.
 
-    The step's own kernels (all but the encoder's, which run on the side stream) are aligned by
-    name between the two replays (``difflib``; the freeze step's extra kernels are counted apart).
-    For each aligned kernel: its duration in each, the idle gap before it on the step's stream in
-    each (a wait on a side-stream event, or launch latency), and the share of its duration during
-    which an encode ran. The excess of the freeze step's span is split into: kernels slowed while
-    an encode ran beside them ("overlapped": at least half their time), kernels slowed without one,
-    longer gaps (with and without an encode running), and extra kernels.
+    The step's kernels (:func:`_step_kernels`) are paired by name and occurrence: the n-th kernel
+    of a name in the freeze step with the n-th of that name in the plain step (the step runs the
+    same kernels in the same order; a freeze step's extra kernels are left over, counted apart).
+    For each pair: its duration in each, the idle gap before it on the step's stream in each (a
+    wait on a side-stream event, or launch latency), and the share of its duration during which an
+    encode ran. The sums split the excess into kernels slowed while an encode ran beside them
+    ("overlapped": at least half their time), kernels slowed without one, longer gaps, and extra
+    kernels.
     """
-    import difflib
-
-    def split(r):
-        main = [k for k in r["kernels"] if family(k[0]) != "encode"]
-        enc = [(k[1], k[1] + k[2]) for k in r["kernels"] if family(k[0]) == "encode"]
-        return main, _union(enc)
-
-    mp, _ = split(plain)
-    mf, enc = split(freeze)
-    sm = difflib.SequenceMatcher(a=[k[0] for k in mp], b=[k[0] for k in mf], autojunk=False)
-    rows = []  # (family, overlapped share, dur plain, dur freeze, gap plain, gap freeze)
+    mp, mf = _step_kernels(plain), _step_kernels(freeze)
+    enc = _union([(k[1], k[1] + k[2]) for k in freeze["kernels"] if family(k[0]) == "encode"])
+    gp, gf = _gaps(mp), _gaps(mf)
+    by_name: dict = {}
+    for i, k in enumerate(mp):
+        by_name.setdefault(k[0], []).append(i)
+    seen: dict = {}
+    # one pair per step-stream kernel: family, encode share, µs plain, µs freeze, gap plain, gap freeze
+    rows = []
     extra, extra_names = 0.0, {}
-    for tag, i1, i2, j1, j2 in sm.get_opcodes():
-        if tag == "equal":
-            for i, j in zip(range(i1, i2), range(j1, j2)):
-                gp = mp[i][1] - (mp[i - 1][1] + mp[i - 1][2]) if i else 0.0
-                gf = mf[j][1] - (mf[j - 1][1] + mf[j - 1][2]) if j else 0.0
-                a, d = mf[j][1], mf[j][2]
-                ov = _covered(a, a + d, enc) / d if d > 0 else 0.0
-                gov = _covered(a - max(gf, 0.0), a, enc) / gf if gf > 0 else 0.0
-                rows.append((family(mf[j][0]), ov, mp[i][2], mf[j][2], max(gp, 0.0), max(gf, 0.0), gov))
+    for j, k in enumerate(mf):
+        n = seen.get(k[0], 0)
+        seen[k[0]] = n + 1
+        if n < len(by_name.get(k[0], ())):
+            i = by_name[k[0]][n]
+            ov = _covered(k[1], k[1] + k[2], enc) / k[2] if k[2] > 0 else 0.0
+            rows.append((family(k[0]), ov, mp[i][2], k[2], gp[i], gf[j]))
         else:
-            extra += sum(k[2] for k in mf[j1:j2]) - sum(k[2] for k in mp[i1:i2])
-            for k in mf[j1:j2]:
-                extra_names[k[0][:60]] = extra_names.get(k[0][:60], 0) + 1
-            for k in mp[i1:i2]:
-                extra_names[k[0][:60]] = extra_names.get(k[0][:60], 0) - 1
+            extra += k[2]
+            extra_names[k[0][:60]] = extra_names.get(k[0][:60], 0) + 1
+    for name, idx in by_name.items():  # plain kernels the freeze step lacks
+        for i in idx[seen.get(name, 0):]:
+            extra -= mp[i][2]
+            extra_names[name[:60]] = extra_names.get(name[:60], 0) - 1
+
     def total(sel, col):
         return sum(r[col] for r in rows if sel(r))
+
     out = {"span_plain_us": plain["span_us"], "span_freeze_us": freeze["span_us"],
-           "encode_busy_us": sum(b - a for a, b in enc), "aligned": len(rows),
-           "unaligned_extra_us": extra, "families": {}}
+           "encode_busy_us": sum(b - a for a, b in enc), "paired": len(rows),
+           "step_kernels": [len(mp), len(mf)], "unpaired_extra_us": extra, "families": {}}
     for fam in sorted({r[0] for r in rows}):
         for name, sel in (("overlapped", lambda r, f=fam: r[0] == f and r[1] >= 0.5),
                           ("alone", lambda r, f=fam: r[0] == f and r[1] < 0.5)):
@@ -158,11 +183,10 @@ def compare(plain: dict, freeze: dict) -> dict:
             if n:
                 out["families"][f"{fam} {name}"] = {"count": n, "plain_us": total(sel, 2),
                                                     "freeze_us": total(sel, 3)}
-    out["gaps"] = {"plain_us": total(lambda r: True, 4), "freeze_us": total(lambda r: True, 5),
-                   "freeze_with_encode_us": sum(r[5] * r[6] for r in rows)}
+    out["gaps"] = {"plain_us": sum(gp), "freeze_us": sum(gf)}
     waits = sorted(((r[5] - r[4], r[0]) for r in rows), reverse=True)[:8]
-    out["unaligned_kernels"] = {n: c for n, c in sorted(extra_names.items(), key=lambda x: -abs(x[1]))
-                                if c}  # net count: freeze step's minus plain step's
+    out["unpaired_kernels"] = {n: c for n, c in sorted(extra_names.items(), key=lambda x: -abs(x[1]))
+                               if c}  # net count: freeze step's minus plain step's
     out["longest_extra_gaps_us"] = [[round(w, 1), f] for w, f in waits]
     return out
 
@@ -178,7 +202,7 @@ def comparisons(rows: list[dict]) -> list[dict]:
         order = range(n - 1, -1, -1) if r["kind"] == "fill" else range(n + 1, len(rows))
         ref = next((rows[m] for m in order if rows[m]["kind"] == "plain"), None)
         if ref is not None:
-            out.append({"kind": r["kind"], **compare(ref, r)})
+            out.append({"kind": r["kind"], "plain_index": rows.index(ref), "index": n, **compare(ref, r)})
     return out
 
 
@@ -277,8 +301,10 @@ def main() -> None:
         lead = "-" if r["lead_in_us"] is None else f"{r['lead_in_us']:.1f}"
         nxt = "-" if r["interval_us"] is None else f"{r['interval_us']:.0f}"
         print(f"| {r['kind']} | {r['span_us']:.0f} | {lead} | {nxt} |")
-    for r in rows:
-        r.pop("kernels", None)
+    keep = {i for c in versus for i in (c["index"], c["plain_index"])}
+    for i, r in enumerate(rows):  # the compared replays keep their kernels, to check the pairing
+        if i not in keep:
+            r.pop("kernels", None)
     fams = ["gemm", "attention", "encode", "append", "other"]
     print(f"context {a.context} x B {a.batch}, {a.preset}: µs (kernels)")
     print("| step | GPU span µs | " + " | ".join(fams) + " |")
@@ -289,17 +315,18 @@ def main() -> None:
     for c in versus:
         print(f"\n{c['kind']} against its neighbouring plain step: span {c['span_plain_us']:.0f} -> "
               f"{c['span_freeze_us']:.0f} µs; encodes busy {c['encode_busy_us']:.0f} µs; "
-              f"{c['aligned']} kernels aligned, extra kernels {c['unaligned_extra_us']:+.0f} µs")
+              f"step-stream kernels {c['step_kernels'][0]} / {c['step_kernels'][1]}, {c['paired']} paired, "
+              f"unpaired {c['unpaired_extra_us']:+.0f} µs")
         print("| step-stream kernels | count | plain µs | freeze µs | excess µs |")
         print("|---|---|---|---|---|")
         for name, f in c["families"].items():
             print(f"| {name} | {f['count']} | {f['plain_us']:.0f} | {f['freeze_us']:.0f} | "
                   f"{f['freeze_us'] - f['plain_us']:+.0f} |")
         g = c["gaps"]
-        print(f"| idle gaps (encode beside: {g['freeze_with_encode_us']:.0f}) | | {g['plain_us']:.0f} | "
+        print(f"| idle gaps on the step's stream | | {g['plain_us']:.0f} | "
               f"{g['freeze_us']:.0f} | {g['freeze_us'] - g['plain_us']:+.0f} |")
         print(f"longest extra gaps (µs, before a kernel of): {c['longest_extra_gaps_us']}")
-        print(f"kernels the freeze step has beyond the plain one (net count): {c['unaligned_kernels']}")
+        print(f"kernels the freeze step has beyond the plain one (net count): {c['unpaired_kernels']}")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "args": vars(a),

@@ -17,8 +17,8 @@ which no user code should do):
   tokens are meaningless: timing only). What the step pays for SMs held for a time, whatever runs
   on them, against what it pays for the encoder's launches. ``spin_pP_tT``: each program holds
   three fp32 tiles in registers, the encoder's footprint (one program fills an SM's register
-  file); ``spin1_pP_tT``: one tile, 128 registers (two programs can share an SM, and small kernels
-  fit beside one: session 24's run, BENCHMARKS.md);
+  file); ``spin1_pP_tT``: one tile, about half the registers (two programs can share an SM, and
+  small kernels fit beside one; :func:`_spin_kernel`);
 - ``priority``: the captured step's stream at a higher priority than the side stream, with
   ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` (set by this script when a schedule asks for it) so that
   graph replays keep the captured streams' priorities: the block scheduler then dispatches the
@@ -132,16 +132,27 @@ def schedule(early, programs, options=None, priority=False, spin=None) -> None:
     BESIDE_OPTIONS.update(options or {})
     STEP_PRIORITY[0] = priority
     SPIN[0] = spin
+    if spin is not None:  # the scratch output and the kernel's compilation, outside any capture
+        if SPIN_OUT[0] is None:
+            SPIN_OUT[0] = torch.empty(max(v[0] for v in SPINS.values()), device="cuda")
+        _spin(*spin)
+        torch.cuda.synchronize()
+
+
+def _spin(programs: int, us: float, three: bool) -> None:
+    _spin_kernel[(programs,)](SPIN_OUT[0], NS=int(us * 1000), THREE=three, num_warps=8)
 
 
 @triton.jit
 def _spin_kernel(out_ptr, NS: tl.constexpr, THREE: tl.constexpr):
     """Hold an SM for NS ns with 128 x 128 fp32 tiles live in registers across a wait on the clock.
 
-    THREE: three tiles, 253 registers a thread at 8 warps (the encoder's: 214), so that, like an
-    encoder program, one program fills its SM's register file (no second program, no GEMM block,
-    and almost no small kernel beside it). Else one tile, 128 registers: no GEMM block beside it
-    either, but two programs can share an SM, and small kernels fit beside one.
+    THREE: three tiles, 253 registers a thread at 8 warps (triton 3.6 for sm_90, compiled offline;
+    the encoder's launch beside the step: 214 under ncu), so that, like an encoder program, one
+    program fills its SM's register file (no second program, no GEMM block, and almost no small
+    kernel beside it). Else one tile, 128 registers: no GEMM block beside it either, but two
+    programs can share an SM, and small kernels fit beside one. (Triton 3.9 compiles the two to
+    201 and 80 registers: the counts are the compiler's, so check them with the device's triton.)
     """
     rows = tl.arange(0, 128)
     x = (rows[:, None] * 128 + rows[None, :]).to(tl.float32) * tl.program_id(0).to(tl.float32)
@@ -163,11 +174,11 @@ def _spin_kernel(out_ptr, NS: tl.constexpr, THREE: tl.constexpr):
 def _encode_tiles(*args, programs=None, **kwargs):
     """kernels.encode_tiles with the schedule's launch options for side-stream (capped) encodes."""
     if programs is not None and SPIN[0] is not None:
-        p, us, three = SPIN[0]
-        if SPIN_OUT[0] is None:  # first met in an eager step, before any capture
-            SPIN_OUT[0] = torch.empty(max(v[0] for v in SPINS.values()), device=args[0].device)
-        _spin_kernel[(p,)](SPIN_OUT[0], NS=int(us * 1000), THREE=three, num_warps=8)
-        return kwargs.get("out", args[3] if len(args) > 3 else None)
+        out = kwargs.get("out", args[3] if len(args) > 3 else None)
+        if out is None:  # the cache's flush passes its record fields; nothing else is spun
+            raise ValueError("a spin schedule replaces encodes that write into given fields only")
+        _spin(*SPIN[0])
+        return out
     if programs is not None:
         kwargs.update(BESIDE_OPTIONS)
     return OWN_ENCODE(*args, programs=programs, **kwargs)
@@ -226,7 +237,7 @@ OWN_EARLY, OWN_PROGRAMS = hf_graph._early_layers, hf_graph._beside_programs
 OWN_ENCODE, OWN_GRAPHS_INIT = kernels.encode_tiles, hf_graph._Graphs.__init__
 BESIDE_OPTIONS: dict = {}
 SPIN: list = [None]  # (programs, µs, three tiles) of the spin schedules, else None
-SPIN_OUT: list = [None]  # the spin kernel's scratch output (allocated before capture, then reused)
+SPIN_OUT: list = [None]  # the spin kernel's scratch output (allocated by schedule(), then reused)
 STEP_PRIORITY = [False]
 kernels.encode_tiles = _encode_tiles
 hf_graph._Graphs.__init__ = _graphs_init
