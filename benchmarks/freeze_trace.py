@@ -25,7 +25,7 @@ def family(name: str) -> str:
 def replays(trace: dict) -> list[dict]:
     """Per tagged replay, in order: its kind, GPU span (µs), per-family (count, summed µs), its
     kernels (``[name, start µs from the replay's first kernel, µs, stream]``, by start), and the
-    idle time before it and to the next replay's first kernel (:func:`main`).
+    time from the previous replay's last kernel and to the next replay's first kernel.
 
     A replay is a host range ``replay:KIND`` (recorded around ``_Graphs._replay``); the graph launch
     inside it (a runtime event whose name contains ``GraphLaunch``) carries a correlation id that

@@ -270,10 +270,10 @@ def _encode_one(
 def _pack(q, BITS: tl.constexpr, P: tl.constexpr):
     """Codes ``q [R, C]`` -> bytes ``[R, C / P]``, code j of a byte at bit ``j * BITS``: neighbours
     joined in pairs, P / 2 times, each a split of a last axis of 2 that stays in a thread's registers.
-    The sum of the P shifted codes over a last axis of P that this replaced compiled to more
-    instructions and, under the 128-register cap, more spills (sass_encoder.py, uncapped: 10599 ->
-    10312 instructions a tile for k2v2, 10455 -> 10308 for k4v2; capped spills 56 -> 24 and 40 -> 32
-    bytes; BENCHMARKS.md, session 23)."""
+    A sum of the P shifted codes over a last axis of P compiles to more instructions and, under the
+    128-register cap, more spills (sass_encoder.py, uncapped: 10599 against 10312 instructions a
+    tile for k2v2, 10455 against 10308 for k4v2; capped spills 56 against 24 and 40 against 32
+    bytes)."""
     lo, hi = tl.split(tl.reshape(q, [q.shape[0], q.shape[1] // 2, 2]))
     packed = lo | (hi << BITS)
     if P == 4:
