@@ -33,7 +33,7 @@ from kvarn.kernels import encode
 from kvarn.kernels.layout import check_launch_knobs
 
 _POINTERS = {"k_ptr": "*fp16", "v_ptr": "*fp16", "kc_ptr": "*u8", "vc_ptr": "*u8", "flag_ptr": "*i8",
-             "slot_ptr": "*i64", "bad_ptr": "*i32"}  # the other pointers are fp16 scale fields
+             "slot_ptr": "*i32", "bad_ptr": "*i32"}  # the other pointers are fp16 scale fields
 _FLOATS = ("inv_sqrt_d", "k_clo", "k_chi", "v_clo", "v_chi")
 _INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 

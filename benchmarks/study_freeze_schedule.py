@@ -18,7 +18,10 @@ which no user code should do):
   on them, against what it pays for the encoder's launches. ``spin_pP_tT``: each program holds
   three fp32 tiles in registers, the encoder's footprint (one program fills an SM's register
   file); ``spin1_pP_tT``: one tile, about half the registers (two programs can share an SM, and
-  small kernels fit beside one; :func:`_spin_kernel`);
+  small kernels fit beside one; :func:`_spin_kernel`); ``fork_only``: no kernel at all, the
+  side stream's forks and joins alone; ``<schedule>_stamped``: the GPU's clock stamped before
+  and after each side-stream launch, which gives each launch's window beside the step (the last
+  freeze's replays, no profiler: :func:`windows`);
 - ``priority``: the captured step's stream at a higher priority than the side stream, with
   ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` (set by this script when a schedule asks for it) so that
   graph replays keep the captured streams' priorities: the block scheduler then dispatches the
@@ -40,6 +43,8 @@ import json
 import os
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,9 +90,16 @@ SCHEDULES = {  # name: (early layers, programs, launch options, step stream prio
 }
 SPINS = {  # name: (programs in all, µs each holds its SM, three tiles); otherwise the default split
     f"spin{'' if three else '1'}_p{p}_t{t}": (p, t, three) for three in (True, False)
-    for p, t in ((66, 1), (66, 55), (66, 110), (66, 165), (66, 220), (33, 220), (132, 55))
+    for p, t in ((66, 1), (66, 55), (66, 110), (66, 165), (66, 220), (66, 330), (66, 440), (33, 220),
+                 (132, 55), (1, 1))
 }
+SPINS["fork_only"] = (0, 0, False)  # the side stream's forks and joins with no kernel on it
 SCHEDULES.update({name: (DEFAULT, DEFAULT, None, False) for name in SPINS})
+# "<schedule>_stamped": the same, with the GPU's clock stamped on the side stream before and after
+# each encode (or spin) launch, so that the row gives each launch's window beside the step in the
+# last freeze's replays, without a profiler (two one-thread launches more per encode).
+STAMPED = {f"{name}_stamped": name for name in ("split", "spin_p66_t220", "spin1_p66_t220", "spin_p33_t220")}
+SCHEDULES.update({name: SCHEDULES[base] for name, base in STAMPED.items()})
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--contexts", nargs="+", type=int, default=[32768])
@@ -116,7 +128,7 @@ from kvarn import kernels  # noqa: E402
 from kvarn.integrations import hf_attention, hf_graph  # noqa: E402
 
 
-def schedule(early, programs, options=None, priority=False, spin=None) -> None:
+def schedule(early, programs, options=None, priority=False, spin=None, stamp=False) -> None:
     """Set decode_greedy's choices (restored to its own by DEFAULT, None, False)."""
     if early == "all":
         hf_graph._early_layers = lambda layers: len(layers)
@@ -132,15 +144,47 @@ def schedule(early, programs, options=None, priority=False, spin=None) -> None:
     BESIDE_OPTIONS.update(options or {})
     STEP_PRIORITY[0] = priority
     SPIN[0] = spin
+    STAMP[0] = stamp
     if spin is not None:  # the scratch output and the kernel's compilation, outside any capture
         if SPIN_OUT[0] is None:
             SPIN_OUT[0] = torch.empty(max(v[0] for v in SPINS.values()), device="cuda")
         _spin(*spin)
         torch.cuda.synchronize()
+    if stamp:  # the same for the stamps: a fresh buffer, one slot per launch in the run's order
+        STAMPS[0] = torch.zeros(STAMP_SLOTS, dtype=torch.int64, device="cuda")
+        STAMPS[1] = 0
+        _stamp_kernel[(1,)](STAMPS[0], 0)
+        STAMPS[0].zero_()
+        torch.cuda.synchronize()
 
 
 def _spin(programs: int, us: float, three: bool) -> None:
-    _spin_kernel[(programs,)](SPIN_OUT[0], NS=int(us * 1000), THREE=three, num_warps=8)
+    if programs:  # fork_only: no kernel
+        _spin_kernel[(programs,)](SPIN_OUT[0], NS=int(us * 1000), THREE=three, num_warps=8)
+
+
+@triton.jit
+def _stamp_kernel(buf_ptr, i):
+    """buf[i] = the GPU's clock (ns), from one thread: when the launches queued before it on its stream are done."""
+    tl.store(buf_ptr + i, globaltimer())
+
+
+def _stamp() -> None:
+    if STAMPS[1] >= STAMP_SLOTS:
+        raise RuntimeError(f"more than {STAMP_SLOTS} stamped launches in one run")
+    _stamp_kernel[(1,)](STAMPS[0], STAMPS[1], num_warps=1)
+    STAMPS[1] += 1
+
+
+def windows(stamps: list[int], step_ms: float) -> list[float]:
+    """Each stamped launch's window (µs, its end stamp minus its start stamp) in the last freeze's
+    replays: graph replays rewrite their launches' slots, so those are the slots with the latest
+    clocks (within two steps of the last stamp); the eager steps' slots keep older ones."""
+    pairs = [(stamps[i], stamps[i + 1]) for i in range(0, len(stamps) - 1, 2) if stamps[i] and stamps[i + 1]]
+    if not pairs:
+        return []
+    last = max(end for _, end in pairs)
+    return [(end - start) / 1000 for start, end in sorted(pairs) if last - start < 2.5 * step_ms * 1e6]
 
 
 @triton.jit
@@ -173,15 +217,20 @@ def _spin_kernel(out_ptr, NS: tl.constexpr, THREE: tl.constexpr):
 
 def _encode_tiles(*args, programs=None, **kwargs):
     """kernels.encode_tiles with the schedule's launch options for side-stream (capped) encodes."""
+    if programs is not None and STAMP[0]:
+        _stamp()
     if programs is not None and SPIN[0] is not None:
         out = kwargs.get("out", args[3] if len(args) > 3 else None)
         if out is None:  # the cache's flush passes its record fields; nothing else is spun
             raise ValueError("a spin schedule replaces encodes that write into given fields only")
         _spin(*SPIN[0])
-        return out
-    if programs is not None:
-        kwargs.update(BESIDE_OPTIONS)
-    return OWN_ENCODE(*args, programs=programs, **kwargs)
+    else:
+        if programs is not None:
+            kwargs.update(BESIDE_OPTIONS)
+        out = OWN_ENCODE(*args, programs=programs, **kwargs)
+    if programs is not None and STAMP[0]:
+        _stamp()
+    return out
 
 
 def _graphs_init(self, *args, **kwargs):
@@ -194,8 +243,8 @@ def _graphs_init(self, *args, **kwargs):
 def main(a) -> None:
     if a.repeats < 1:
         sys.exit(f"--repeats {a.repeats}: give at least 1 pass over the schedules")
-    if a.device == "cpu" and any(n in SPINS for n in a.schedules):
-        sys.exit("the spin schedules read the GPU's clock: --device cuda only")
+    if a.device == "cpu" and any(n in SPINS or n in STAMPED for n in a.schedules):
+        sys.exit("the spin, fork_only and _stamped schedules run kernels of their own on the GPU: --device cuda only")
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device (use --device cpu --shape tiny for a check)")
     torch.manual_seed(0)
@@ -208,7 +257,8 @@ def main(a) -> None:
     for ctx in a.contexts:
         for preset in a.presets:
             for name in [n for _ in range(a.repeats) for n in a.schedules]:
-                schedule(*SCHEDULES[name], spin=SPINS.get(name))
+                base = STAMPED.get(name, name)
+                schedule(*SCHEDULES[name], spin=SPINS.get(base), stamp=name in STAMPED)
                 t0 = time.time()
                 r = be.run_one(model, f"kvarn_graph:{preset}", a.batch, ctx, a.new, 4096, a.device)
                 gaps, step = r["gaps_ms"], r["step_ms"]
@@ -218,6 +268,9 @@ def main(a) -> None:
                 row = dict(schedule=name, context=ctx, batch=a.batch, preset=preset, step_ms=step,
                            fill_over=fill, flush_over=flush, worst=max(fill + flush, default=None),
                            seconds=time.time() - t0)
+                if name in STAMPED:
+                    w = windows(STAMPS[0][: STAMPS[1]].tolist(), step)
+                    row.update(windows_us=w, window_median_us=float(np.median(w)) if w else None)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 with open(a.out, "w") as fh:
@@ -229,7 +282,9 @@ def main(a) -> None:
     print("|---|---|---|---|---|---|")
     for r in rows:
         pct = lambda xs: " / ".join(f"{x:+.1%}" for x in xs)  # noqa: E731
-        print(f"| {r['context']} x {r['batch']} | {r['preset']} | {r['schedule']} | {r['step_ms']:.2f} "
+        w = r.get("windows_us")
+        win = f" (windows: {len(w)}, median {r['window_median_us']:.0f} µs)" if w else ""
+        print(f"| {r['context']} x {r['batch']} | {r['preset']} | {r['schedule']}{win} | {r['step_ms']:.2f} "
               f"| {pct(r['fill_over'])} | {pct(r['flush_over'])} |")
 
 
@@ -238,6 +293,9 @@ OWN_ENCODE, OWN_GRAPHS_INIT = kernels.encode_tiles, hf_graph._Graphs.__init__
 BESIDE_OPTIONS: dict = {}
 SPIN: list = [None]  # (programs, µs, three tiles) of the spin schedules, else None
 SPIN_OUT: list = [None]  # the spin kernel's scratch output (allocated by schedule(), then reused)
+STAMP: list = [False]  # the schedule stamps its side-stream launches
+STAMPS: list = [None, 0]  # the stamps' buffer (int64 ns), the next slot
+STAMP_SLOTS = 1 << 16
 STEP_PRIORITY = [False]
 kernels.encode_tiles = _encode_tiles
 hf_graph._Graphs.__init__ = _graphs_init

@@ -214,8 +214,8 @@ class TileStore:
     def encode_into(self, keys: torch.Tensor, values: torch.Tensor, start: torch.Tensor) -> int:
         """Encode ``n`` complete tiles of every row into slots ``start .. start + n - 1``; returns n.
 
-        keys, values: ``[B, Hk, n*G, D]`` in the model frame and dtype. ``start``: long ``[1]`` on the
-        device, the slot of every row (rows hold the same number of tiles). The position is read on
+        keys, values: ``[B, Hk, n*G, D]`` in the model frame and dtype. ``start``: int32 or long ``[1]``
+        on the device, the slot of every row (rows hold the same number of tiles). The position is read on
         the device, so a CUDA graph that captured this call writes each replay's tile at the next
         slot. ``counts`` is left to the caller, which advances it by n (it keeps the host's view).
         """
@@ -238,7 +238,7 @@ class TileStore:
         self._first_write(enc, {name: x[:, :, 0] for name, x in new.items()})
         if self.counts[0] + n > self.capacity:
             self._grow(self.counts[0] + n)
-        idx = start + torch.arange(n, device=self.device)
+        idx = start.long() + torch.arange(n, device=self.device)
         for name, x in new.items():
             self.fields[name].index_copy_(2, idx, x)
         return n

@@ -252,7 +252,9 @@ class FusedKVarNLayer(KVarNLayer):
         codec = self.store.codec
         beside = codec.beside(programs) if programs else contextlib.nullcontext()
         with codec.deferred(), beside:  # no host read in this step (see TritonTileCodec)
-            self.store.encode_into(self.tail_k[:, :, : n * g], self.tail_v[:, :, : n * g], self._dev_len[1, :1].long())
+            # The tile count as it is (int32, a view): read by the encoder when it runs, which is
+            # before this layer's next update advances it (the step joins or waits first).
+            self.store.encode_into(self.tail_k[:, :, : n * g], self.tail_v[:, :, : n * g], self._dev_len[1, :1])
 
     def _flush_device(self) -> None:
         """Encode the complete tiles at the start of the tail (same count in every row) into the

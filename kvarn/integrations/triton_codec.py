@@ -106,7 +106,7 @@ class TritonTileCodec(TileCodec):
     def encode_into(self, keys: torch.Tensor, values: torch.Tensor, flavours: Flavours | None, fields: TileFields,
                     slot: torch.Tensor) -> bool:
         """Encode ``[B, Hk, n*G, D]`` model-frame K/V straight into ``fields`` (``[B, Hk, capacity,
-        ...]``) at slots ``slot .. slot + n - 1`` (``slot``: long ``[1]`` on the device). False when
+        ...]``) at slots ``slot .. slot + n - 1`` (``slot``: int32 or long ``[1]`` on the device). False when
         this codec's kernel does not encode the method (the caller encodes and copies instead)."""
         if not self._check_method(flavours):
             return False

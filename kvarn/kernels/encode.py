@@ -478,7 +478,8 @@ def encode_tiles(
     and the kernel rotates every token (``x @ H`` in fp32, two small MMAs per row block, as the
     decode kernel rotates its query; 32 <= D <= 256); ``(key_rotate, value_rotate)``, bool per tile
     like ``normalize``: only those (kvarn-auto; the others are stored in the model frame).
-    ``slot``: long ``[1]`` on the device; ``out`` then has 3 leading dims whose last is a capacity,
+    ``slot``: int32 or long ``[1]`` on the device (a cache passes its int32 tile count as it is: a
+    cast would be one more launch in each side-stream freeze); ``out`` then has 3 leading dims whose last is a capacity,
     and input tile ``(i, j, n)`` is written at ``(i, j, slot + n)`` (read on the device, so a captured
     CUDA graph writes each replay's tiles at the slot of that replay). ``bad``: int32 ``[1]`` on the
     device, set to 1 if a stored fp16 scale is non-finite (the range check without a host read).
@@ -512,8 +513,8 @@ def encode_tiles(
     if slot is not None:
         if len(lead) != 3 or out is None:
             raise ValueError("slot needs 3 leading dims and out fields with a capacity axis")
-        if not isinstance(slot, torch.Tensor) or slot.dtype != torch.long or slot.numel() != 1:
-            raise ValueError(f"slot must be a long tensor of one element, got {slot!r}")
+        if not isinstance(slot, torch.Tensor) or slot.dtype not in (torch.int32, torch.long) or slot.numel() != 1:
+            raise ValueError(f"slot must be an int32 or long tensor of one element, got {slot!r}")
         check_fields(out, (*lead[:2], out.k_codes.shape[2]), config, d)
     else:
         if out is None:

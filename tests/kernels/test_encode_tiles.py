@@ -169,8 +169,10 @@ def test_encode_quantile_ranges(tile, d, quantiles, kdevice):
     assert not torch.equal(out.v_row_scale, minmax.v_row_scale)
 
 
-def test_encode_writes_at_a_device_slot(kdevice):
-    """slot: tiles n = 0, 1 land at slot + n of fields with a capacity axis; the rest is untouched."""
+@pytest.mark.parametrize("slot_dtype", [torch.long, torch.int32])
+def test_encode_writes_at_a_device_slot(kdevice, slot_dtype):
+    """slot: tiles n = 0, 1 land at slot + n of fields with a capacity axis; the rest is untouched
+    (an int32 slot, as a cache's tile count is, the same as a long one)."""
     cfg = KVarNConfig(key_bits=4, value_bits=2, tile=64, sinkhorn_iters=2)
     k, v = synthetic_kv(2, 1, 128, 64, kdevice, seed=4)
     _, _, kt16, vt16 = _model_frame(k, v, cfg)
@@ -180,7 +182,7 @@ def test_encode_writes_at_a_device_slot(kdevice):
     store = empty_fields((2, 1, 4), cfg, 64, kdevice)
     for name in FIELD_ORDER:
         getattr(store, name).fill_(3)
-    slot = torch.tensor([1], device=kdevice)
+    slot = torch.tensor([1], dtype=slot_dtype, device=kdevice)
     kernels.encode_tiles(kt16, vt16, cfg, store, rotate=True, slot=slot)
     for name in FIELD_ORDER:
         x = getattr(store, name)
@@ -243,9 +245,9 @@ def test_encode_errors(kdevice, monkeypatch):
         kernels.encode_tiles(kt, kt, cfg, max_registers=0)
     with pytest.raises(ValueError, match=r"programs must be an int >= 1 \(programs per K and per V\), got 0"):
         kernels.encode_tiles(kt, kt, cfg, programs=0)
-    with pytest.raises(ValueError, match="slot must be a long"):
+    with pytest.raises(ValueError, match="slot must be an int32 or long tensor of one element"):
         kernels.encode_tiles(kt[None, None], kt[None, None], cfg, kernels.encode_tiles(kt[None, None], kt[None, None], cfg),
-                             slot=torch.zeros(1, dtype=torch.int32, device=kdevice))
+                             slot=torch.zeros(1, dtype=torch.int16, device=kdevice))
     if not HAS_CUDA:  # no silent fallback: CPU tensors outside the interpreter are refused
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ValueError, match="CUDA"):
