@@ -21,7 +21,8 @@ which no user code should do):
   small kernels fit beside one; :func:`_spin_kernel`); ``fork_only``: no kernel at all, the
   side stream's forks and joins alone; ``<schedule>_stamped``: the GPU's clock stamped before
   and after each side-stream launch, which gives each launch's window beside the step (the last
-  freeze's replays, no profiler: :func:`windows`);
+  freeze's replays, no profiler: :func:`windows`); ``<schedule>_gN``: the encodes of N layers
+  started together, with one fork of the side stream and one wait (``hf_graph._fork_group``);
 - ``priority``: the captured step's stream at a higher priority than the side stream, with
   ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` (set by this script when a schedule asks for it) so that
   graph replays keep the captured streams' priorities: the block scheduler then dispatches the
@@ -100,6 +101,10 @@ SCHEDULES.update({name: (DEFAULT, DEFAULT, None, False) for name in SPINS})
 # last freeze's replays, without a profiler (two one-thread launches more per encode).
 STAMPED = {f"{name}_stamped": name for name in ("split", "spin_p66_t220", "spin1_p66_t220", "spin_p33_t220")}
 SCHEDULES.update({name: SCHEDULES[base] for name, base in STAMPED.items()})
+# "<schedule>_gN": the same with the encodes of N layers started together, one fork of the side
+# stream and one wait of the step's stream for them (hf_graph._fork_group; the default is 1).
+GROUPS = {f"{name}_g{g}": (name, g) for name in ("split", "fork_only", "spin1_p1_t1") for g in (2, 4, 8)}
+SCHEDULES.update({name: SCHEDULES[base] for name, (base, _) in GROUPS.items()})
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--contexts", nargs="+", type=int, default=[32768])
@@ -128,7 +133,7 @@ from kvarn import kernels  # noqa: E402
 from kvarn.integrations import hf_attention, hf_graph  # noqa: E402
 
 
-def schedule(early, programs, options=None, priority=False, spin=None, stamp=False) -> None:
+def schedule(early, programs, options=None, priority=False, spin=None, stamp=False, group=None) -> None:
     """Set decode_greedy's choices (restored to its own by DEFAULT, None, False)."""
     if early == "all":
         hf_graph._early_layers = lambda layers: len(layers)
@@ -140,6 +145,7 @@ def schedule(early, programs, options=None, priority=False, spin=None, stamp=Fal
         hf_graph._beside_programs = OWN_PROGRAMS
     else:
         hf_graph._beside_programs = lambda device: programs or 1 << 30
+    hf_graph._fork_group = OWN_GROUP if group is None else (lambda layers: group)
     BESIDE_OPTIONS.clear()
     BESIDE_OPTIONS.update(options or {})
     STEP_PRIORITY[0] = priority
@@ -243,7 +249,7 @@ def _graphs_init(self, *args, **kwargs):
 def main(a) -> None:
     if a.repeats < 1:
         sys.exit(f"--repeats {a.repeats}: give at least 1 pass over the schedules")
-    if a.device == "cpu" and any(n in SPINS or n in STAMPED for n in a.schedules):
+    if a.device == "cpu" and any(n in SPINS or n in STAMPED or GROUPS.get(n, ("",))[0] in SPINS for n in a.schedules):
         sys.exit("the spin, fork_only and _stamped schedules run kernels of their own on the GPU: --device cuda only")
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device (use --device cpu --shape tiny for a check)")
@@ -257,8 +263,8 @@ def main(a) -> None:
     for ctx in a.contexts:
         for preset in a.presets:
             for name in [n for _ in range(a.repeats) for n in a.schedules]:
-                base = STAMPED.get(name, name)
-                schedule(*SCHEDULES[name], spin=SPINS.get(base), stamp=name in STAMPED)
+                base, group = GROUPS.get(name, (STAMPED.get(name, name), None))
+                schedule(*SCHEDULES[name], spin=SPINS.get(base), stamp=name in STAMPED, group=group)
                 t0 = time.time()
                 r = be.run_one(model, f"kvarn_graph:{preset}", a.batch, ctx, a.new, 4096, a.device)
                 gaps, step = r["gaps_ms"], r["step_ms"]
@@ -288,7 +294,7 @@ def main(a) -> None:
               f"| {pct(r['fill_over'])} | {pct(r['flush_over'])} |")
 
 
-OWN_EARLY, OWN_PROGRAMS = hf_graph._early_layers, hf_graph._beside_programs
+OWN_EARLY, OWN_PROGRAMS, OWN_GROUP = hf_graph._early_layers, hf_graph._beside_programs, hf_graph._fork_group
 OWN_ENCODE, OWN_GRAPHS_INIT = kernels.encode_tiles, hf_graph._Graphs.__init__
 BESIDE_OPTIONS: dict = {}
 SPIN: list = [None]  # (programs, µs, three tiles) of the spin schedules, else None

@@ -66,12 +66,12 @@ class FusedKVarNLayer(KVarNLayer):
         self.max_length = max_length
         self._dev_len = None
         self._lockstep = False
-        self._ahead = None  # (length, True or CUDA event): the flush flush_ahead started at that length
+        self._ahead = None  # (length, True or _Started): the flush flush_ahead started at that length
         # decode_greedy's hook: False, off; else the stream (None: at once) on which the step that
         # completes a tile starts encoding it (see flush_ahead)
         self.ahead_stream = False
-        self.ahead_self = True  # the step that completes this layer's tile starts its encode at its read
-        self.ahead_next = None  # a later layer whose due encode this layer's read starts (decode_greedy)
+        self.ahead_in_fill = True  # the step that completes this layer's tile starts its encode
+        self.ahead_starts = ()  # the layers whose due encodes this layer's read starts, one fork (decode_greedy)
         self.ahead_programs = None  # the grid cap of encodes started on a side stream (codec.beside)
         self._read_pending = False  # a steady one-token update's attention read is still to come
 
@@ -188,52 +188,44 @@ class FusedKVarNLayer(KVarNLayer):
 
     def read_done(self) -> None:
         """Called by the attention function after its decode read: with :attr:`ahead_stream` set,
-        a tile that this step's token completed starts its encode now (:meth:`flush_ahead`).
+        the due encodes of the layers in :attr:`ahead_starts` start now, together (one fork of the
+        side stream, see :meth:`flush_ahead`): tiles that this step's token completed in this layer
+        or in earlier ones, or tiles of later layers, due since their updates in the step before
+        (a freeze that decode_greedy spreads over two steps).
 
         Not in the update: there the encode runs beside the layer's decode kernel, a short launch of
         a few waves that it slows by holding SMs (on the H200 at 8K x 1 the fill step was 0.44 ms
         over a plain step that way, 0.18 ms with the encode after the read, beside the projections).
-        With :attr:`ahead_next` set, the read also starts that layer's due encode, and with
-        :attr:`ahead_self` False not its own: a freeze that decode_greedy spreads over two steps.
         """
         if self._read_pending and self.ahead_stream is not False:
-            if self.ahead_self:
-                self.flush_ahead(self.ahead_stream)
-            if self.ahead_next is not None:  # a later layer's tile, due since its update in the step before
-                self.ahead_next.flush_ahead(self.ahead_stream)
+            _start_encodes([x for x in self.ahead_starts if x.due_ahead()], self.ahead_stream)
         self._read_pending = False
+
+    def due_ahead(self) -> int:
+        """The complete tiles :meth:`flush_ahead` would start encoding now: a steady layer whose tail
+        is exactly its complete tiles, not yet started at this length; else 0."""
+        n = self.tiles_due()
+        if not n or self.tail_len[0] != n * self.tile or (self._ahead and self._ahead[0] == self.length):
+            return 0
+        return n
 
     def flush_ahead(self, stream: torch.cuda.Stream | None) -> None:
         """Start the next update's flush now (on ``stream``, a side CUDA stream, when given; at once
         otherwise), for a steady layer whose tail is exactly its complete tiles: the same bits the
-        update would encode, written into the same slots, only earlier and on another stream. Called
-        after the attention read of the step whose token completes a tile (:meth:`read_done`), so
-        the encode overlaps the rest of that step; the step joins the stream at its end
-        (:meth:`joined`), and the next update, which freezes the tile, only advances the lengths.
-        Or called in the step that freezes the tile, before this layer's update, which then waits for
-        the encode (an earlier layer's read, :attr:`ahead_next`; a freeze no fill step prepared).
+        update would encode, written into the same slots, only earlier and on another stream.
+        :meth:`read_done` starts encodes this way after the read of the step whose token completes a
+        tile, so that they overlap the rest of that step (the step joins the stream at its end,
+        :meth:`joined`, and the next update, which freezes the tile, only advances the lengths), or
+        in the step that freezes the tile, before this layer's update, which then waits for them.
+        decode_greedy calls it for every layer at the start of a freeze no fill step prepared.
         On a side stream the grid is capped at :attr:`ahead_programs` when set.
         See :func:`kvarn.integrations.hf_graph.decode_greedy`.
         """
-        n = self.tiles_due()
-        if not n or self.tail_len[0] != n * self.tile or (self._ahead and self._ahead[0] == self.length):
-            return
-        if stream is None:
-            self._encode_due(n)
-            self._ahead = (self.length, True)
-            return
-        # The tail's last token was written on the current stream: the side stream waits for it
-        # (and, from read_done, for the read queued after it).
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._encode_due(n, self.ahead_programs)
-            event = torch.cuda.Event()
-            event.record(stream)
-        self._ahead = (self.length, event)
+        _start_encodes([self] if self.due_ahead() else [], stream)
 
     def ahead_pending(self) -> bool:
         """True while an encode flush_ahead started on a side stream has not been waited for."""
-        return self._ahead is not None and self._ahead[1] is not True
+        return self._ahead is not None and self._ahead[1] is not True and not self._ahead[1].waited
 
     def joined(self) -> None:
         """The step joined the side stream: a started flush needs no wait any more (and must not wait
@@ -268,8 +260,11 @@ class FusedKVarNLayer(KVarNLayer):
         t = self.tail_len[0]
         if ahead is None or ahead[0] != self.length:  # not started for this state (or a stale start)
             self._encode_due(n)
-        elif ahead[1] is not True:  # wait for the side stream before the tail is overwritten and read
-            torch.cuda.current_stream(self.device).wait_event(ahead[1])
+        elif ahead[1] is not True and not ahead[1].waited:
+            # Wait for the side stream before the tail is overwritten and read: for every encode
+            # started with this one (the first of them to get here waits, the others need not).
+            torch.cuda.current_stream(self.device).wait_event(ahead[1].event)
+            ahead[1].waited = True
         r = t - n * g
         if r:  # only after a multi-token update; a decode step of one token leaves nothing behind
             self.tail_k[:, :, :r] = self.tail_k[:, :, n * g:t].clone()
@@ -315,6 +310,43 @@ class FusedKVarNAutoLayer(FusedKVarNLayer, KVarNAutoLayer):
 
 
 FUSED_METHODS = ("kvarn", "kvarn-auto")
+
+
+class _Started:
+    """Encodes started together on a side stream (one fork, :func:`_start_encodes`): the event
+    recorded after the last of them, and whether the step's stream has waited for it yet (one
+    wait covers them all)."""
+
+    __slots__ = ("event", "waited")
+
+    def __init__(self, event: torch.cuda.Event):
+        self.event, self.waited = event, False
+
+
+def _start_encodes(layers: list[FusedKVarNLayer], stream: torch.cuda.Stream | None) -> None:
+    """Start the due encodes of ``layers`` (:meth:`FusedKVarNLayer.due_ahead`, all of them due):
+    at once when ``stream`` is None, else on that side stream after one wait for the current
+    stream (the tails' last tokens were written there, and from a read, the read was queued after
+    them), with one event after the last encode. Each layer's next update waits for that event
+    before it overwrites and reads its tail, unless another layer's has (:meth:`_flush_device`);
+    a step that ends first joins the side stream (decode_greedy)."""
+    if not layers:
+        return
+    due = [x.due_ahead() for x in layers]
+    if stream is None:
+        for x, n in zip(layers, due):
+            x._encode_due(n)
+            x._ahead = (x.length, True)
+        return
+    stream.wait_stream(torch.cuda.current_stream(layers[0].device))
+    with torch.cuda.stream(stream):
+        for x, n in zip(layers, due):
+            x._encode_due(n, x.ahead_programs)
+        event = torch.cuda.Event()
+        event.record(stream)
+    started = _Started(event)
+    for x in layers:
+        x._ahead = (x.length, started)
 
 
 def fused_cache(model, preset="k4v2_g128", *, max_length: int | None = None, method: str = "kvarn",

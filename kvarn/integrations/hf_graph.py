@@ -22,7 +22,9 @@ as soon as each layer's attention has read the token that completes its tile
 that step and is joined at its end; the ``flush`` step only advances the lengths of those layers.
 That is done by the first half or 5/8 of the layers (``_early_layers``); the others start theirs
 in the ``flush`` step, on the side stream, each after the read of a layer that many layers
-earlier, and each of their updates waits for its own, so the two steps share the freeze. The
+earlier, and each of their updates waits for its own, so the two steps share the freeze
+(``_fork_group`` > 1 starts the encodes of that many layers together, with one fork of the
+side stream and one wait). The
 launches are given part of the SMs (``_beside_programs``: the encoder's grid capped, the same
 bits), so they share the GPU with the step's kernels. The stored tiles are the same bits, written
 into the same slots; the decode reads a tile only from the step that freezes it, as without the
@@ -92,6 +94,13 @@ def _beside_programs(device: torch.device) -> int:
 
 
 _BESIDE = 4  # a fraction of the SMs per K and per V (BENCHMARKS.md: the freeze step)
+
+
+def _fork_group(layers: list[FusedKVarNLayer]) -> int:
+    """How many layers' encodes one fork of the side stream starts (flush_ahead), and one wait of
+    the step's stream covers: 1, each layer's encode its own fork and wait (the schedule measured
+    so far); the study of the freeze step tries more (BENCHMARKS.md), at most the early layers."""
+    return 1
 
 
 def _encodes_fill_the_gpu(layers: list[FusedKVarNLayer]) -> bool:
@@ -170,7 +179,7 @@ class _Graphs:
         """The step's Python (eagerly, or recorded), told what the host knows of its kind."""
         if kind == "flush":  # the fill step before encoded these layers' tiles and joined its side stream
             for layer in self.fused:
-                if layer.ahead_self:
+                if layer.ahead_in_fill:
                     layer.encoded_ahead()
         self.step(kind)
 
@@ -281,13 +290,20 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
     # step 16%. The shares even out the two steps (_early_layers). The launches are capped
     # (_beside_programs) to share the SMs with the step's kernels. The tiles and the steps that
     # read them are the same.
-    early = _early_layers(ahead)
+    # With a fork group of g, each group of g layers is started together at the read of its last
+    # member (fill step), or of the layer `early` before its last member (flush step), and the
+    # group's first update waits for all of it: fewer forks and waits, a later start.
+    early = min(_early_layers(ahead), len(ahead))  # no fused layers (or flush_ahead off): none
+    group = max(1, min(_fork_group(ahead), early))  # a flush-step group starts before its first update
     programs = _beside_programs(dev)  # read only by encodes on the side stream
     for i, layer in enumerate(ahead):
         layer.ahead_stream = flush_stream
-        layer.ahead_self = i < early
-        layer.ahead_next = ahead[i + early] if i + early < len(ahead) else None
+        layer.ahead_in_fill = i < early
+        layer.ahead_starts = ()
         layer.ahead_programs = programs
+    for lo, hi, shift in [(lo, min(lo + group, early), 0) for lo in range(0, early, group)] + [
+            (lo, min(lo + group, len(ahead)), early) for lo in range(early, len(ahead), group)]:
+        ahead[hi - 1 - shift].ahead_starts += tuple(ahead[lo:hi])
     try:
         for i in range(1, max_new_tokens):
             graphs.run()
@@ -296,5 +312,5 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
                 on_step(i)
     finally:
         for layer in ahead:
-            layer.ahead_stream, layer.ahead_self, layer.ahead_next, layer.ahead_programs = False, True, None, None
+            layer.ahead_stream, layer.ahead_in_fill, layer.ahead_starts, layer.ahead_programs = False, True, (), None
     return out

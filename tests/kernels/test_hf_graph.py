@@ -79,17 +79,20 @@ def test_decode_loop_matches_generate_and_reference(fused_model, kdevice):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("fills", [False, True])
-def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkeypatch, fills):
+@pytest.mark.parametrize("fills, group", [(False, 1), (True, 1), (False, 2), (True, 3)])
+def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkeypatch, fills, group):
     """decode_greedy spreads a freeze over two steps: of 6 layers, the first e start their encodes
-    in the step that writes the tile's last token (flush_ahead, right after the layer's attention
-    read), while the tile is still unfrozen, and the others in the next step, each at the read of
-    the layer e before it, before its own update; generate encodes in the next update. e = 4
-    (5/8), or 3 (half) where one layer's encode fills the GPU (``fills``): there the later layers
-    are started at reads of layers that are late themselves."""
+    in the step that writes the tile's last token (right after a layer's attention read), while
+    the tile is still unfrozen, and the others in the next step, before their own updates;
+    generate encodes in the next update. e = 4 (5/8), or 3 (half) where one layer's encode fills
+    the GPU (``fills``): there the later layers are started at reads of layers that are late
+    themselves. With a fork group g (``_fork_group``), g layers start together: the early ones at
+    the read of the group's last, the later ones at the read of the layer e before their group's
+    last. The stored tiles are generate's, whatever the grouping."""
     model = _tiny_llama(kdevice, torch.float16 if HAS_CUDA else torch.float32, layers=6)
     hf_attention.use_fused(model)
     monkeypatch.setattr(hf_graph, "_encodes_fill_the_gpu", lambda layers: fills)
+    monkeypatch.setattr(hf_graph, "_fork_group", lambda layers: group)
     ids = torch.randint(0, 97, (1, PROMPT), device=kdevice)
     calls, step = [], [0]
     encode_due = hf_attention.FusedKVarNLayer._encode_due
@@ -107,20 +110,29 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
     cache = _fused(model, max_length=PROMPT + NEW)
     hf_graph.decode_greedy(model, cache, ids, NEW, capture="none", on_step=lambda i: step.__setitem__(0, i))
     g = cache.layers[0].tile
-    # One tile completed during decoding: layers below e began their encodes right after reading
-    # the tile's last token, in the step after token s (tail exactly one tile, not yet counted as
-    # stored); the others one step later, layer i at layer i - e's read (still before the tile is
-    # counted as stored, so before the layer's own update).
+    # One tile completed during decoding: the early layers began their encodes right after a read
+    # in the step after token s (tail exactly one tile, not yet counted as stored); the others one
+    # step later, at the read of a layer e before (still before the tile is counted as stored, so
+    # before the layer's own update).
     n, e = len(cache.layers), (3 if fills else 4)
     s = calls[0][2]
     assert n == 6 and hf_graph._early_layers(cache.layers) == e
-    expect = [(s, i, i) for i in range(e)] + [(s + 1, i - e, i) for i in range(e, n)]
-    assert calls == [("flush_ahead", "read_done", *e, g, 0) for e in expect]
+    expect = []
+    for lo, hi, step_, shift in [(lo, min(lo + group, e), s, 0) for lo in range(0, e, group)] + [
+            (lo, min(lo + group, n), s + 1, e) for lo in range(e, n, group)]:
+        expect += [(step_, hi - 1 - shift, i) for i in range(lo, hi)]
+    assert calls == [("_start_encodes", "read_done", *x, g, 0) for x in expect]
+    if group == 1:  # the schedule spelled out: layer i's own read (early) or layer i - e's (late)
+        assert expect == [(s, i, i) for i in range(e)] + [(s + 1, i - e, i) for i in range(e, n)]
     assert cache.layers[0].store.counts == [1] and cache.layers[0]._ahead is None
     calls.clear()
-    model.generate(ids, past_key_values=_fused(model, max_length=PROMPT + NEW), max_new_tokens=NEW,
+    gen = _fused(model, max_length=PROMPT + NEW)
+    model.generate(ids, past_key_values=gen, max_new_tokens=NEW,
                    do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
     assert [c[0] for c in calls] == ["_flush_device"] * len(cache.layers)  # generate: in the freezing update
+    for a, b in zip(cache.layers, gen.layers):
+        for name, x in a.store.fields.items():
+            assert torch.equal(x, b.store.fields[name]), name
 
 
 def test_steady_steps_keep_the_tail_buffers(fused_model, kdevice):

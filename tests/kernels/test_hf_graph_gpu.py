@@ -172,31 +172,36 @@ def test_captured_static_cache_decode_matches_eager(model):
     assert_same_decoding(*out["cuda"], *out["none"])
 
 
-@pytest.mark.parametrize("mode", ["none", "cuda"])
-def test_flush_ahead_waits_on_both_streams(model, mode, monkeypatch):
+@pytest.mark.parametrize("mode, group", [("none", 1), ("cuda", 1), ("cuda", 2)])
+def test_flush_ahead_waits_on_both_streams(model, mode, group, monkeypatch):
     """A tile's encode runs on a side stream, started by the update that completes it
     (flush_ahead). Both waits are stressed with GPU spins: on the step's stream before the encode
     starts (if the side stream did not wait for it, it would encode the tile before its last
     token is written) and on the side stream before each encode (if the step did not join the
     side stream at its end, the next step's token would overwrite the tail while it is encoded).
     Either race changes the stored tiles. The later layers start their encodes in the flush step,
-    at earlier layers' reads, so each of their updates must wait for its own as well."""
+    at earlier layers' reads, so each of their updates must wait for its own as well; with a fork
+    group of 2 (``_fork_group``, two of the four layers early) the first update of a group waits
+    for both encodes, the second for none."""
     from kvarn.integrations import hf_attention, hf_graph
 
     spin = 20_000_000  # GPU cycles, about 10 ms
-    encode_due, ahead = hf_attention.FusedKVarNLayer._encode_due, hf_attention.FusedKVarNLayer.flush_ahead
+    encode_due, start = hf_attention.FusedKVarNLayer._encode_due, hf_attention._start_encodes
 
     def slow_encode(self, n, programs=None):
         torch.cuda._sleep(spin)  # on the stream the encode runs on
         encode_due(self, n, programs)
 
-    def late_ahead(self, stream):
-        if self.tiles_due():
+    def late_start(layers, stream):
+        if layers:
             torch.cuda._sleep(spin)  # the step's stream lags behind the host
-        ahead(self, stream)
+        start(layers, stream)
 
     monkeypatch.setattr(hf_attention.FusedKVarNLayer, "_encode_due", slow_encode)
-    monkeypatch.setattr(hf_attention.FusedKVarNLayer, "flush_ahead", late_ahead)
+    monkeypatch.setattr(hf_attention, "_start_encodes", late_start)
+    monkeypatch.setattr(hf_graph, "_fork_group", lambda layers: group)
+    if group > 1:
+        monkeypatch.setattr(hf_graph, "_early_layers", lambda layers: 2)
     ids = torch.randint(0, 1000, (2, PROMPT), device="cuda")
     hf_attention.use_fused(model)
     try:
