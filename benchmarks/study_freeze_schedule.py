@@ -145,7 +145,10 @@ def schedule(early, programs, options=None, priority=False, spin=None, stamp=Fal
         hf_graph._beside_programs = OWN_PROGRAMS
     else:
         hf_graph._beside_programs = lambda device: programs or 1 << 30
-    hf_graph._fork_group = OWN_GROUP if group is None else (lambda layers: group)
+    if OWN_GROUP is not None:  # a tree before the fork groups (the cast study) has no such hook
+        hf_graph._fork_group = OWN_GROUP if group is None else (lambda layers: group)
+    elif group is not None:
+        raise ValueError("the _gN schedules need a kvarn with hf_graph._fork_group")
     BESIDE_OPTIONS.clear()
     BESIDE_OPTIONS.update(options or {})
     STEP_PRIORITY[0] = priority
@@ -159,7 +162,7 @@ def schedule(early, programs, options=None, priority=False, spin=None, stamp=Fal
     if stamp:  # the same for the stamps: a fresh buffer, one slot per launch in the run's order
         STAMPS[0] = torch.zeros(STAMP_SLOTS, dtype=torch.int64, device="cuda")
         STAMPS[1] = 0
-        _stamp_kernel[(1,)](STAMPS[0], 0)
+        _stamp_kernel[(1,)](STAMPS[0], 0, num_warps=1)  # the launch _stamp makes (i is not specialized)
         STAMPS[0].zero_()
         torch.cuda.synchronize()
 
@@ -169,7 +172,7 @@ def _spin(programs: int, us: float, three: bool) -> None:
         _spin_kernel[(programs,)](SPIN_OUT[0], NS=int(us * 1000), THREE=three, num_warps=8)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["i"])
 def _stamp_kernel(buf_ptr, i):
     """buf[i] = the GPU's clock (ns), from one thread: when the launches queued before it on its stream are done."""
     tl.store(buf_ptr + i, globaltimer())
@@ -294,7 +297,8 @@ def main(a) -> None:
               f"| {pct(r['fill_over'])} | {pct(r['flush_over'])} |")
 
 
-OWN_EARLY, OWN_PROGRAMS, OWN_GROUP = hf_graph._early_layers, hf_graph._beside_programs, hf_graph._fork_group
+OWN_EARLY, OWN_PROGRAMS = hf_graph._early_layers, hf_graph._beside_programs
+OWN_GROUP = getattr(hf_graph, "_fork_group", None)
 OWN_ENCODE, OWN_GRAPHS_INIT = kernels.encode_tiles, hf_graph._Graphs.__init__
 BESIDE_OPTIONS: dict = {}
 SPIN: list = [None]  # (programs, µs, three tiles) of the spin schedules, else None

@@ -66,7 +66,7 @@ class FusedKVarNLayer(KVarNLayer):
         self.max_length = max_length
         self._dev_len = None
         self._lockstep = False
-        self._ahead = None  # (length, True or _Started): the flush flush_ahead started at that length
+        self._ahead = None  # (length, True or _Started): the encode _start_encodes started at that length
         # decode_greedy's hook: False, off; else the stream (None: at once) on which the step that
         # completes a tile starts encoding it (see flush_ahead)
         self.ahead_stream = False
@@ -224,7 +224,7 @@ class FusedKVarNLayer(KVarNLayer):
         _start_encodes([self] if self.due_ahead() else [], stream)
 
     def ahead_pending(self) -> bool:
-        """True while an encode flush_ahead started on a side stream has not been waited for."""
+        """True while an encode started on a side stream (_start_encodes) has not been waited for."""
         return self._ahead is not None and self._ahead[1] is not True and not self._ahead[1].waited
 
     def joined(self) -> None:
@@ -250,8 +250,9 @@ class FusedKVarNLayer(KVarNLayer):
 
     def _flush_device(self) -> None:
         """Encode the complete tiles at the start of the tail (same count in every row) into the
-        next slots, unless :meth:`flush_ahead` did. The device lengths are advanced by the append
-        that follows (:meth:`_append_device`), the host lists by :meth:`advance`."""
+        next slots, unless they were started ahead (:meth:`read_done`, :meth:`flush_ahead`). The
+        device lengths are advanced by the append that follows (:meth:`_append_device`), the host
+        lists by :meth:`advance`."""
         n = self.tiles_due()
         ahead, self._ahead = self._ahead, None
         if not n:

@@ -97,9 +97,10 @@ _BESIDE = 4  # a fraction of the SMs per K and per V (BENCHMARKS.md: the freeze 
 
 
 def _fork_group(layers: list[FusedKVarNLayer]) -> int:
-    """How many layers' encodes one fork of the side stream starts (flush_ahead), and one wait of
-    the step's stream covers: 1, each layer's encode its own fork and wait (the schedule measured
-    so far); the study of the freeze step tries more (BENCHMARKS.md), at most the early layers."""
+    """How many layers' encodes one attention read starts with one fork of the side stream
+    (FusedKVarNLayer.read_done), and, in the flush step, one wait of the step's stream covers: 1,
+    each layer's encode its own fork and wait (the schedule measured so far); the study of the
+    freeze step tries more (BENCHMARKS.md). At most the early layers."""
     return 1
 
 
@@ -285,14 +286,16 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
     graphs = _Graphs(cache, step, capture, warmup, ahead=bool(ahead))
     # The freeze is spread over two steps: the first `early` layers start their encodes in the fill
     # step, each after its read; the others in the flush step, layer early + i's after layer i's
-    # read (its own update, `early` layers later, waits for it), staggered along the layers. In
+    # read (its own update, `early` layers later, waits for it), staggered along the layers (with
+    # a fork group of 1; see below). In
     # one step a batch-16 freeze (a program for every SM in each layer's encode) would cost that
     # step 16%. The shares even out the two steps (_early_layers). The launches are capped
     # (_beside_programs) to share the SMs with the step's kernels. The tiles and the steps that
     # read them are the same.
-    # With a fork group of g, each group of g layers is started together at the read of its last
-    # member (fill step), or of the layer `early` before its last member (flush step), and the
-    # group's first update waits for all of it: fewer forks and waits, a later start.
+    # With a fork group of g, each group of g layers is started together: in the fill step at the
+    # read of its last member (joined at the step's end, as with g = 1), in the flush step at the
+    # read of the layer `early` before its last member, and then the group's first update waits
+    # for all of it. Fewer forks and waits, a later start (early - g + 1 layers before the wait).
     early = min(_early_layers(ahead), len(ahead))  # no fused layers (or flush_ahead off): none
     group = max(1, min(_fork_group(ahead), early))  # a flush-step group starts before its first update
     programs = _beside_programs(dev)  # read only by encodes on the side stream

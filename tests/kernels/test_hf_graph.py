@@ -85,10 +85,9 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
     in the step that writes the tile's last token (right after a layer's attention read), while
     the tile is still unfrozen, and the others in the next step, before their own updates;
     generate encodes in the next update. e = 4 (5/8), or 3 (half) where one layer's encode fills
-    the GPU (``fills``): there the later layers are started at reads of layers that are late
-    themselves. With a fork group g (``_fork_group``), g layers start together: the early ones at
-    the read of the group's last, the later ones at the read of the layer e before their group's
-    last. The stored tiles are generate's, whatever the grouping."""
+    the GPU (``fills``). With a fork group g (``_fork_group``), g layers start together: the early
+    ones at the read of the group's last, the later ones at the read of the layer e before their
+    group's last. The stored tiles are generate's, whatever the grouping."""
     model = _tiny_llama(kdevice, torch.float16 if HAS_CUDA else torch.float32, layers=6)
     hf_attention.use_fused(model)
     monkeypatch.setattr(hf_graph, "_encodes_fill_the_gpu", lambda layers: fills)
@@ -117,13 +116,13 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
     n, e = len(cache.layers), (3 if fills else 4)
     s = calls[0][2]
     assert n == 6 and hf_graph._early_layers(cache.layers) == e
-    expect = []
-    for lo, hi, step_, shift in [(lo, min(lo + group, e), s, 0) for lo in range(0, e, group)] + [
-            (lo, min(lo + group, n), s + 1, e) for lo in range(e, n, group)]:
-        expect += [(step_, hi - 1 - shift, i) for i in range(lo, hi)]
+    # (step, the layer whose read started the encode, the encoded layer)
+    expect = {
+        1: [(s, i, i) for i in range(e)] + [(s + 1, i - e, i) for i in range(e, n)],  # its own read, or i - e's
+        2: [(s, 1, 0), (s, 1, 1), (s, 3, 2), (s, 3, 3), (s + 1, 1, 4), (s + 1, 1, 5)],  # e = 4: groups 01 23 | 45
+        3: [(s, 2, 0), (s, 2, 1), (s, 2, 2), (s + 1, 2, 3), (s + 1, 2, 4), (s + 1, 2, 5)],  # e = 3: 012 | 345
+    }[group]
     assert calls == [("_start_encodes", "read_done", *x, g, 0) for x in expect]
-    if group == 1:  # the schedule spelled out: layer i's own read (early) or layer i - e's (late)
-        assert expect == [(s, i, i) for i in range(e)] + [(s + 1, i - e, i) for i in range(e, n)]
     assert cache.layers[0].store.counts == [1] and cache.layers[0]._ahead is None
     calls.clear()
     gen = _fused(model, max_length=PROMPT + NEW)

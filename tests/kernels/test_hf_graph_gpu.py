@@ -172,11 +172,11 @@ def test_captured_static_cache_decode_matches_eager(model):
     assert_same_decoding(*out["cuda"], *out["none"])
 
 
-@pytest.mark.parametrize("mode, group", [("none", 1), ("cuda", 1), ("cuda", 2)])
+@pytest.mark.parametrize("mode, group", [("none", 1), ("cuda", 1), ("none", 2), ("cuda", 2)])
 def test_flush_ahead_waits_on_both_streams(model, mode, group, monkeypatch):
-    """A tile's encode runs on a side stream, started by the update that completes it
-    (flush_ahead). Both waits are stressed with GPU spins: on the step's stream before the encode
-    starts (if the side stream did not wait for it, it would encode the tile before its last
+    """A tile's encode runs on a side stream, started after the attention read of the step that
+    completes it (read_done). Both waits are stressed with GPU spins: on the step's stream before
+    the encode starts (if the side stream did not wait for it, it would encode the tile before its last
     token is written) and on the side stream before each encode (if the step did not join the
     side stream at its end, the next step's token would overwrite the tail while it is encoded).
     Either race changes the stored tiles. The later layers start their encodes in the flush step,
