@@ -23,12 +23,11 @@ that step and is joined at its end; the ``flush`` step only advances the lengths
 That is done by the first half or 5/8 of the layers (``_early_layers``); the others start theirs
 in the ``flush`` step, on the side stream, each after the read of a layer that many layers
 earlier, and each of their updates waits for its own, so the two steps share the freeze
-(``_fork_group`` > 1 starts the encodes of that many layers together, with one fork of the
-side stream and one wait). The
-launches are given part of the SMs (``_beside_programs``: the encoder's grid capped, the same
-bits), so they share the GPU with the step's kernels. The stored tiles are the same bits, written
-into the same slots; the decode reads a tile only from the step that freezes it, as without the
-side stream. (A freeze not prepared by a fill step, e.g. after the host plan, is
+(``_fork_group`` > 1 starts the encodes of that many layers together, with one fork of the side
+stream and one wait). The launches are given part of the SMs (``_beside_programs``: the
+encoder's grid capped, the same bits), so they share the GPU with the step's kernels. The stored
+tiles are the same bits, written into the same slots; the decode reads a tile only from the step
+that freezes it, as without the side stream. (A freeze not prepared by a fill step, e.g. after the host plan, is
 ``flush_inline``: its encodes start at the step's beginning on the side stream and each layer's
 update waits for its own.)
 
@@ -287,11 +286,10 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
     # The freeze is spread over two steps: the first `early` layers start their encodes in the fill
     # step, each after its read; the others in the flush step, layer early + i's after layer i's
     # read (its own update, `early` layers later, waits for it), staggered along the layers (with
-    # a fork group of 1; see below). In
-    # one step a batch-16 freeze (a program for every SM in each layer's encode) would cost that
-    # step 16%. The shares even out the two steps (_early_layers). The launches are capped
-    # (_beside_programs) to share the SMs with the step's kernels. The tiles and the steps that
-    # read them are the same.
+    # a fork group of 1; see below). In one step a batch-16 freeze (a program for every SM in each
+    # layer's encode) would cost that step 16%. The shares even out the two steps (_early_layers).
+    # The launches are capped (_beside_programs) to share the SMs with the step's kernels. The
+    # tiles and the steps that read them are the same.
     # With a fork group of g, each group of g layers is started together: in the fill step at the
     # read of its last member (joined at the step's end, as with g = 1), in the flush step at the
     # read of the layer `early` before its last member, and then the group's first update waits
