@@ -198,7 +198,7 @@ class FusedKVarNLayer(KVarNLayer):
         over a plain step that way, 0.18 ms with the encode after the read, beside the projections).
         """
         if self._read_pending and self.ahead_stream is not False:
-            _start_encodes([x for x in self.ahead_starts if x.due_ahead()], self.ahead_stream)
+            _start_encodes(self.ahead_starts, self.ahead_stream)
         self._read_pending = False
 
     def due_ahead(self) -> int:
@@ -221,7 +221,7 @@ class FusedKVarNLayer(KVarNLayer):
         On a side stream the grid is capped at :attr:`ahead_programs` when set.
         See :func:`kvarn.integrations.hf_graph.decode_greedy`.
         """
-        _start_encodes([self] if self.due_ahead() else [], stream)
+        _start_encodes((self,), stream)
 
     def ahead_pending(self) -> bool:
         """True while an encode started on a side stream (_start_encodes) has not been waited for."""
@@ -324,29 +324,30 @@ class _Started:
         self.event, self.waited = event, False
 
 
-def _start_encodes(layers: list[FusedKVarNLayer], stream: torch.cuda.Stream | None) -> None:
-    """Start the due encodes of ``layers`` (:meth:`FusedKVarNLayer.due_ahead`, all of them due):
-    at once when ``stream`` is None, else on that side stream after one wait for the current
-    stream (the tails' last tokens were written there, and from a read, the read was queued after
-    them), with one event after the last encode. Each layer's next update waits for that event
-    before it overwrites and reads its tail, unless another layer's has (:meth:`_flush_device`);
-    a step that ends first joins the side stream (decode_greedy)."""
-    if not layers:
+def _start_encodes(layers: tuple[FusedKVarNLayer, ...], stream: torch.cuda.Stream | None) -> None:
+    """Start the due encodes of ``layers`` (:meth:`FusedKVarNLayer.due_ahead`; the others are left
+    alone, and with none due nothing happens): at once when ``stream`` is None, else on that side
+    stream after one wait for the current stream (the tails' last tokens were written there, and
+    from a read, the read was queued after them), with one event after the last encode. Each
+    layer's next update waits for that event before it overwrites and reads its tail, unless
+    another layer's has (:meth:`_flush_device`); a step that ends first joins the side stream
+    (decode_greedy)."""
+    due = [(x, n) for x in layers if (n := x.due_ahead())]
+    if not due:
         return
-    due = [x.due_ahead() for x in layers]
     if stream is None:
-        for x, n in zip(layers, due):
+        for x, n in due:
             x._encode_due(n)
             x._ahead = (x.length, True)
         return
-    stream.wait_stream(torch.cuda.current_stream(layers[0].device))
+    stream.wait_stream(torch.cuda.current_stream(due[0][0].device))
     with torch.cuda.stream(stream):
-        for x, n in zip(layers, due):
+        for x, n in due:
             x._encode_due(n, x.ahead_programs)
         event = torch.cuda.Event()
         event.record(stream)
     started = _Started(event)
-    for x in layers:
+    for x, _ in due:
         x._ahead = (x.length, started)
 
 

@@ -27,9 +27,9 @@ earlier, and each of their updates waits for its own, so the two steps share the
 stream and one wait). The launches are given part of the SMs (``_beside_programs``: the
 encoder's grid capped, the same bits), so they share the GPU with the step's kernels. The stored
 tiles are the same bits, written into the same slots; the decode reads a tile only from the step
-that freezes it, as without the side stream. (A freeze not prepared by a fill step, e.g. after the host plan, is
-``flush_inline``: its encodes start at the step's beginning on the side stream and each layer's
-update waits for its own.)
+that freezes it, as without the side stream. (A freeze not prepared by a fill step, e.g. after
+the host plan, is ``flush_inline``: its encodes start at the step's beginning on the side stream
+and each layer's update waits for its own.)
 
 Steps run eagerly until the cache is steady (the first decode step freezes the prompt's tiles on
 the host plan) and each graph has been warmed up by one eager step of its kind (kernel compilation

@@ -479,17 +479,18 @@ def encode_tiles(
     decode kernel rotates its query; 32 <= D <= 256); ``(key_rotate, value_rotate)``, bool per tile
     like ``normalize``: only those (kvarn-auto; the others are stored in the model frame).
     ``slot``: int32 or long ``[1]`` on the device (a cache passes its int32 tile count as it is: a
-    cast would be one more launch in each side-stream freeze); ``out`` then has 3 leading dims whose last is a capacity,
-    and input tile ``(i, j, n)`` is written at ``(i, j, slot + n)`` (read on the device, so a captured
-    CUDA graph writes each replay's tiles at the slot of that replay). ``bad``: int32 ``[1]`` on the
-    device, set to 1 if a stored fp16 scale is non-finite (the range check without a host read).
-    ``num_warps``, ``max_registers``: tuning knobs (default: see ``_launch_options``). The warps set
-    the reduction order, so results can differ within the twin's tolerance (module docstring: a
-    tied iterate, a code on a rounding boundary); the register cap moves values to local memory,
-    not the arithmetic. ``programs``: at most this many programs each for K and V, each encoding
-    every ``programs``-th tile (default: one program a tile; the launch options follow the
-    programs): the same bits, in a launch that leaves SMs to the kernels it runs beside (the
-    decode step's encodes on a side stream, see :meth:`~kvarn.integrations.triton_codec.TritonTileCodec.beside`).
+    cast would be one more launch in each side-stream freeze); ``out`` then has 3 leading dims
+    whose last is a capacity, and input tile ``(i, j, n)`` is written at ``(i, j, slot + n)`` (read
+    on the device, so a captured CUDA graph writes each replay's tiles at the slot of that replay).
+    ``bad``: int32 ``[1]`` on the device, set to 1 if a stored fp16 scale is non-finite (the range
+    check without a host read). ``num_warps``, ``max_registers``: tuning knobs (default: see
+    ``_launch_options``). The warps set the reduction order, so results can differ within the
+    twin's tolerance (module docstring: a tied iterate, a code on a rounding boundary); the
+    register cap moves values to local memory, not the arithmetic. ``programs``: at most this
+    many programs each for K and V, each encoding every ``programs``-th tile (default: one
+    program a tile; the launch options follow the programs): the same bits, in a launch that
+    leaves SMs to the kernels it runs beside (the decode step's encodes on a side stream, see
+    :meth:`~kvarn.integrations.triton_codec.TritonTileCodec.beside`).
     """
     if not isinstance(config, KVarNConfig):
         raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")
