@@ -1,7 +1,7 @@
 """The launches that share the GPU in a freeze step, a few times each: the target for Nsight Compute.
 
 A captured decode step at batch B runs the model's projections as cuBLAS GEMMs of B rows, and the
-freeze runs the encoder beside them on a side stream, capped at ``hf_graph._beside_programs`` programs
+freeze runs the encoder beside them on a side stream, capped at ``freeze_schedule.beside_programs`` programs
 for K and for V. Whether an encode program can share an SM with a GEMM block decides what the freeze
 costs the step (BENCHMARKS.md, table 3: the GEMMs' blocks fill an SM each). Weights are random (the
 launches' resources do not depend on the values), shaped like ``bench_e2e``'s Llama-3.1-8B. The
@@ -21,7 +21,7 @@ import torch
 
 from kvarn import kernels
 from kvarn.config import KVarNConfig
-from kvarn.integrations.hf_graph import _beside_programs
+from kvarn.integrations.freeze_schedule import beside_programs
 
 from bench_e2e import SHAPES
 
@@ -49,7 +49,7 @@ def main():
     k = torch.randn(a.batch, hk, cfg.tile, d, device=dev, dtype=torch.float16)
     v = torch.randn(a.batch, hk, cfg.tile, d, device=dev, dtype=torch.float16)
     for _ in range(a.launches):  # one layer's freeze as decode_greedy launches it beside the step
-        kernels.encode_tiles(k.transpose(-1, -2), v, cfg, rotate=True, programs=_beside_programs(dev))
+        kernels.encode_tiles(k.transpose(-1, -2), v, cfg, rotate=True, programs=beside_programs(dev))
     torch.cuda.synchronize()
 
 

@@ -3,7 +3,7 @@
 On the ``bench_e2e`` model (random-weight Llama-3.1-8B shape, fp16, ``kvarn_graph`` caches, CUDA
 graphs), the excess of the fill step (its token completes a tile) and of the flush step (it freezes
 the tile) over the median step, for freeze schedules that ``decode_greedy`` chooses internally
-(``kvarn.integrations.hf_graph._early_layers`` and ``_beside_programs``; this script replaces them,
+(``kvarn.integrations.freeze_schedule``: ``early_layers`` and ``beside_programs``; this script replaces them,
 which no user code should do):
 
 - ``early``: how many of the 32 layers start their encodes in the fill step ("all": every layer,
@@ -22,7 +22,7 @@ which no user code should do):
   side stream's forks and joins alone; ``<schedule>_stamped``: the GPU's clock stamped before
   and after each side-stream launch, which gives each launch's window beside the step (the last
   freeze's replays, no profiler: :func:`windows`); ``<schedule>_gN``: the encodes of N layers
-  started together, with one fork of the side stream and one wait (``hf_graph._fork_group``);
+  started together, with one fork of the side stream and one wait (``freeze_schedule.fork_group``);
 - ``priority``: the captured step's stream at a higher priority than the side stream, with
   ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` (set by this script when a schedule asks for it) so that
   graph replays keep the captured streams' priorities: the block scheduler then dispatches the
@@ -102,7 +102,7 @@ SCHEDULES.update({name: (DEFAULT, DEFAULT, None, False) for name in SPINS})
 STAMPED = {f"{name}_stamped": name for name in ("split", "spin_p66_t220", "spin1_p66_t220", "spin_p33_t220")}
 SCHEDULES.update({name: SCHEDULES[base] for name, base in STAMPED.items()})
 # "<schedule>_gN": the same with the encodes of N layers started together, one fork of the side
-# stream and one wait of the step's stream for them (hf_graph._fork_group; the default is 1).
+# stream and one wait of the step's stream for them (freeze_schedule.fork_group; the default is 1).
 GROUPS = {f"{name}_g{g}": (name, g) for name in ("split", "fork_only", "spin1_p1_t1") for g in (2, 4, 8)}
 SCHEDULES.update({name: SCHEDULES[base] for name, (base, _) in GROUPS.items()})
 
@@ -132,23 +132,30 @@ import bench_e2e as be  # noqa: E402
 from kvarn import kernels  # noqa: E402
 from kvarn.integrations import hf_attention, hf_graph  # noqa: E402
 
+try:  # the schedule's choices (session 26 on)
+    from kvarn.integrations import freeze_schedule as SCHED  # noqa: E402
+    HOOKS = {"early": "early_layers", "programs": "beside_programs", "group": "fork_group"}
+except ImportError:  # an older tree (the A/B comparisons): hf_graph's own functions
+    SCHED = hf_graph
+    HOOKS = {"early": "_early_layers", "programs": "_beside_programs", "group": "_fork_group"}
+
 
 def schedule(early, programs, options=None, priority=False, spin=None, stamp=False, group=None) -> None:
     """Set decode_greedy's choices (restored to its own by DEFAULT, None, False)."""
     if early == "all":
-        hf_graph._early_layers = lambda layers: len(layers)
+        setattr(SCHED, HOOKS["early"], lambda layers: len(layers))
     elif isinstance(early, int):
-        hf_graph._early_layers = lambda layers: min(early, len(layers))
+        setattr(SCHED, HOOKS["early"], lambda layers: min(early, len(layers)))
     else:
-        hf_graph._early_layers = OWN_EARLY
+        setattr(SCHED, HOOKS["early"], OWN[0])
     if programs == DEFAULT:
-        hf_graph._beside_programs = OWN_PROGRAMS
+        setattr(SCHED, HOOKS["programs"], OWN[1])
     else:
-        hf_graph._beside_programs = lambda device: programs or 1 << 30
-    if OWN_GROUP is not None:  # a tree before the fork groups (the cast study) has no such hook
-        hf_graph._fork_group = OWN_GROUP if group is None else (lambda layers: group)
+        setattr(SCHED, HOOKS["programs"], lambda device: programs or 1 << 30)
+    if OWN[2] is not None:  # a tree before the fork groups (the cast study) has no such hook
+        setattr(SCHED, HOOKS["group"], OWN[2] if group is None else (lambda layers: group))
     elif group is not None:
-        raise ValueError("the _gN schedules need a kvarn with hf_graph._fork_group")
+        raise ValueError("the _gN schedules need a kvarn with fork groups (freeze_schedule.fork_group)")
     BESIDE_OPTIONS.clear()
     BESIDE_OPTIONS.update(options or {})
     STEP_PRIORITY[0] = priority
@@ -297,8 +304,7 @@ def main(a) -> None:
               f"| {pct(r['fill_over'])} | {pct(r['flush_over'])} |")
 
 
-OWN_EARLY, OWN_PROGRAMS = hf_graph._early_layers, hf_graph._beside_programs
-OWN_GROUP = getattr(hf_graph, "_fork_group", None)
+OWN = [getattr(SCHED, HOOKS[k], None) for k in ("early", "programs", "group")]  # decode_greedy's own
 OWN_ENCODE, OWN_GRAPHS_INIT = kernels.encode_tiles, hf_graph._Graphs.__init__
 BESIDE_OPTIONS: dict = {}
 SPIN: list = [None]  # (programs, µs, three tiles) of the spin schedules, else None

@@ -16,20 +16,18 @@ full precision while it is the unfinished last one, as the spec says), so steps 
 each its own graph: ``plain``; ``fill``, whose token completes a tile; ``flush``, which freezes it.
 The host knows which step is which from its own lengths. Replaying runs none of the step's Python,
 so after each replay the runner advances the host lengths of every fused layer.
-With ``flush_ahead`` (the default) the encode starts in the ``fill`` step, on a side CUDA stream,
-as soon as each layer's attention has read the token that completes its tile
-(:meth:`~kvarn.integrations.hf_attention.FusedKVarNLayer.read_done`): it overlaps the rest of
-that step and is joined at its end; the ``flush`` step only advances the lengths of those layers.
-That is done by the first half or 5/8 of the layers (``_early_layers``); the others start theirs
-in the ``flush`` step, on the side stream, each after the read of a layer that many layers
-earlier, and each of their updates waits for its own, so the two steps share the freeze
-(``_fork_group`` > 1 starts the encodes of that many layers together, with one fork of the side
-stream and one wait). The launches are given part of the SMs (``_beside_programs``: the
-encoder's grid capped, the same bits), so they share the GPU with the step's kernels. The stored
-tiles are the same bits, written into the same slots; the decode reads a tile only from the step
-that freezes it, as without the side stream. (A freeze not prepared by a fill step, e.g. after
-the host plan, is ``flush_inline``: its encodes start at the step's beginning on the side stream
-and each layer's update waits for its own.)
+With ``flush_ahead`` (the default) the freeze is shared by the ``fill`` and the ``flush`` step, on
+a side CUDA stream (:mod:`~kvarn.integrations.freeze_schedule` says which layers start where, and
+on how many SMs): the early layers start their encodes in the fill step, each as soon as its
+attention has read the token that completes its tile
+(:meth:`~kvarn.integrations.hf_attention.FusedKVarNLayer.read_done`), overlapping the rest of that
+step, joined at its end; the others start theirs in the flush step, each after the read of a layer
+that many layers earlier, and each of their updates waits for its own. The launches are given part
+of the SMs (the encoder's grid capped, the same bits), so they share the GPU with the step's
+kernels. The stored tiles are the same bits, written into the same slots; the decode reads a tile
+only from the step that freezes it, as without the side stream. (A freeze not prepared by a fill
+step, e.g. after the host plan, is ``flush_inline``: its encodes start at the step's beginning on
+the side stream and each layer's update waits for its own.)
 
 Steps run eagerly until the cache is steady (the first decode step freezes the prompt's tiles on
 the host plan) and each graph has been warmed up by one eager step of its kind (kernel compilation
@@ -50,6 +48,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import freeze_schedule
 from .hf_attention import FusedKVarNLayer
 
 logger = logging.getLogger(__name__)
@@ -81,50 +80,6 @@ def _check_cache(cache) -> str:
     kinds = sorted({type(layer).__name__ for layer in layers})
     raise ValueError(f"decode_greedy captures FusedKVarNLayer (fused_cache with max_length) or StaticLayer "
                      f"(StaticCache) caches, got layers {kinds}")
-
-
-def _beside_programs(device: torch.device) -> int:
-    """The encoder's programs for K and for V when its launches run beside the decode step
-    (flush_ahead): a program on half the SMs, the other half left to the step's kernels (at batch
-    16 on the H200, 33 of 128 tiles a layer; smaller launches are not capped)."""
-    from ..kernels.layout import num_sms
-
-    return max(1, num_sms(device) // _BESIDE)
-
-
-_BESIDE = 4  # a fraction of the SMs per K and per V (BENCHMARKS.md: the freeze step)
-
-
-def _fork_group(layers: list[FusedKVarNLayer]) -> int:
-    """How many layers' encodes one attention read starts with one fork of the side stream
-    (FusedKVarNLayer.read_done), and, in the flush step, one wait of the step's stream covers: 1,
-    each layer's encode its own fork and wait (the schedule measured so far); the study of the
-    freeze step tries more (BENCHMARKS.md). At most the early layers."""
-    return 1
-
-
-def _encodes_fill_the_gpu(layers: list[FusedKVarNLayer]) -> bool:
-    """Whether one layer's encode launch (a K and a V program per row and KV head) has a program
-    for every SM (batch 16 and up on an H200)."""
-    if not layers or layers[0].device.type != "cuda":
-        return False
-    from ..kernels.layout import num_sms
-
-    rows, heads = layers[0].tail_k.shape[:2]
-    return 2 * rows * heads >= num_sms(layers[0].device)
-
-
-def _early_layers(layers: list[FusedKVarNLayer]) -> int:
-    """How many of the layers start their encodes in the fill step (flush_ahead), the share that
-    evens the two steps' excess on the H200 (BENCHMARKS.md: the freeze step); at least one. Half
-    (16 of 32) where the encodes fill the GPU: with the decode attention flat over the tail (session
-    20), each layer's encode costs either step about the same (32K and 8K x 16: 16 layers give the
-    smallest larger step over both contexts, against 5, 10, 12 and 14); 5/8 (20 of 32) below that,
-    where the fill step's encodes cost less per layer than the flush step's."""
-    n = len(layers)
-    if _encodes_fill_the_gpu(layers):
-        return max(1, n // 2)
-    return max(1, (5 * n + 4) // 8)
 
 
 def _seq_length(cache) -> int:
@@ -283,28 +238,19 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
             layer.joined()
 
     graphs = _Graphs(cache, step, capture, warmup, ahead=bool(ahead))
-    # The freeze is spread over two steps: the first `early` layers start their encodes in the fill
-    # step, each after its read; the others in the flush step, layer early + i's after layer i's
-    # read (its own update, `early` layers later, waits for it), staggered along the layers (with
-    # a fork group of 1; see below). In one step a batch-16 freeze (a program for every SM in each
-    # layer's encode) would cost that step 16%. The shares even out the two steps (_early_layers).
-    # The launches are capped (_beside_programs) to share the SMs with the step's kernels. The
-    # tiles and the steps that read them are the same.
-    # With a fork group of g, each group of g layers is started together: in the fill step at the
-    # read of its last member (joined at the step's end, as with g = 1), in the flush step at the
-    # read of the layer `early` before its last member, and then the group's first update waits
-    # for all of it. Fewer forks and waits, a later start (early - g + 1 layers before the wait).
-    early = min(_early_layers(ahead), len(ahead))  # no fused layers (or flush_ahead off): none
-    group = max(1, min(_fork_group(ahead), early))  # a flush-step group starts before its first update
-    programs = _beside_programs(dev)  # read only by encodes on the side stream
+    # The freeze is shared by the fill and the flush step (module docstring, freeze_schedule).
+    # No fused layers (or flush_ahead off): none early. A flush-step group starts before its first
+    # update, so a group has at most the early layers.
+    early = min(freeze_schedule.early_layers(ahead), len(ahead))
+    group = max(1, min(freeze_schedule.fork_group(ahead), early))
+    programs = freeze_schedule.beside_programs(dev)  # read only by encodes on the side stream
     for i, layer in enumerate(ahead):
         layer.ahead_stream = flush_stream
         layer.ahead_in_fill = i < early
         layer.ahead_starts = ()
         layer.ahead_programs = programs
-    for lo, hi, shift in [(lo, min(lo + group, early), 0) for lo in range(0, early, group)] + [
-            (lo, min(lo + group, len(ahead)), early) for lo in range(early, len(ahead), group)]:
-        ahead[hi - 1 - shift].ahead_starts += tuple(ahead[lo:hi])
+    for starter, members in freeze_schedule.starts(len(ahead), early, group):
+        ahead[starter].ahead_starts += tuple(ahead[j] for j in members)
     try:
         for i in range(1, max_new_tokens):
             graphs.run()

@@ -287,9 +287,9 @@ def test_encode_launch_options_keep_the_tolerance(opts):
     batches) in the flush's form (fp16 model-frame tiles rotated by the kernel); and the capped grid
     of the encodes beside the decode step (the cache's own cap, a quarter of the SMs for K and for V)."""
     if opts.get("programs") == "beside":
-        from kvarn.integrations.hf_graph import _beside_programs
+        from kvarn.integrations.freeze_schedule import beside_programs
 
-        opts = dict(programs=_beside_programs(torch.device("cuda")))
+        opts = dict(programs=beside_programs(torch.device("cuda")))
     cfg = KVarNConfig.from_name("k4v2_g128")
     k, v = synthetic_kv(8, 8, 4 * cfg.tile, 128, "cuda", seed=7)
     k16, v16, kt16, vt16 = _model_frame(k, v, cfg)

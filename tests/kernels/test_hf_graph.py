@@ -9,12 +9,14 @@ import contextlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("kvarn.kernels", reason="triton is not importable")
 
 from kvarn import KVarNCache  # noqa: E402
-from kvarn.integrations import hf_attention, hf_graph  # noqa: E402
+from kvarn.integrations import freeze_schedule, hf_attention, hf_graph  # noqa: E402
 from kernel_data import HAS_CUDA  # noqa: E402
 
 PRESET = dict(preset="k4v2_g64", sinkhorn_iters=2)  # S = G = 64
@@ -85,13 +87,13 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
     in the step that writes the tile's last token (right after a layer's attention read), while
     the tile is still unfrozen, and the others in the next step, before their own updates;
     generate encodes in the next update. e = 4 (5/8), or 3 (half) where one layer's encode fills
-    the GPU (``fills``). With a fork group g (``_fork_group``), g layers start together: the early
+    the GPU (``fills``). With a fork group g (``freeze_schedule.fork_group``), g layers start together: the early
     ones at the read of the group's last, the later ones at the read of the layer e before their
     group's last. The stored tiles are generate's, whatever the grouping."""
     model = _tiny_llama(kdevice, torch.float16 if HAS_CUDA else torch.float32, layers=6)
     hf_attention.use_fused(model)
-    monkeypatch.setattr(hf_graph, "_encodes_fill_the_gpu", lambda layers: fills)
-    monkeypatch.setattr(hf_graph, "_fork_group", lambda layers: group)
+    monkeypatch.setattr(freeze_schedule, "encodes_fill_the_gpu", lambda layers: fills)
+    monkeypatch.setattr(freeze_schedule, "fork_group", lambda layers: group)
     ids = torch.randint(0, 97, (1, PROMPT), device=kdevice)
     calls, step = [], [0]
     encode_due = hf_attention.FusedKVarNLayer._encode_due
@@ -115,7 +117,7 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
     # before the layer's own update).
     n, e = len(cache.layers), (3 if fills else 4)
     s = calls[0][2]
-    assert n == 6 and hf_graph._early_layers(cache.layers) == e
+    assert n == 6 and freeze_schedule.early_layers(cache.layers) == e
     # (step, the layer whose read started the encode, the encoded layer)
     expect = {
         1: [(s, i, i) for i in range(e)] + [(s + 1, i - e, i) for i in range(e, n)],  # its own read, or i - e's
@@ -132,6 +134,28 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
     for a, b in zip(cache.layers, gen.layers):
         for name, x in a.store.fields.items():
             assert torch.equal(x, b.store.fields[name]), name
+
+
+@given(n=st.integers(1, 64), data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_fork_groups_start_every_layer_once_before_its_update(n, data):
+    """freeze_schedule.starts: every layer's encode is started exactly once, by one group; an early
+    group by its own last member's read (the fill step), a later group by a read ``early`` layers
+    before its last member, which comes before the group's first update (the flush step)."""
+    early = data.draw(st.integers(1, n))
+    group = data.draw(st.integers(1, early))
+    plan = freeze_schedule.starts(n, early, group)
+    members = [j for _, m in plan for j in m]
+    assert sorted(members) == list(range(n))
+    for starter, m in plan:
+        assert 1 <= len(m) <= group and list(m) == list(range(m[0], m[-1] + 1))
+        assert (m[-1] < early) == (m[0] < early)  # a group does not straddle the two steps
+        if m[-1] < early:
+            assert starter == m[-1]
+        else:
+            assert starter == m[-1] - early and starter < m[0]
+    with pytest.raises(ValueError, match="group=.*"):
+        freeze_schedule.starts(n, early, early + 1)
 
 
 def test_steady_steps_keep_the_tail_buffers(fused_model, kdevice):

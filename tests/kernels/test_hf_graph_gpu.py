@@ -181,9 +181,9 @@ def test_flush_ahead_waits_on_both_streams(model, mode, group, monkeypatch):
     side stream at its end, the next step's token would overwrite the tail while it is encoded).
     Either race changes the stored tiles. The later layers start their encodes in the flush step,
     at earlier layers' reads, so each of their updates must wait for its own as well; with a fork
-    group of 2 (``_fork_group``, two of the four layers early) the first update of a group waits
+    group of 2 (``freeze_schedule.fork_group``, two of the four layers early) the first update of a group waits
     for both encodes, the second for none."""
-    from kvarn.integrations import hf_attention, hf_graph
+    from kvarn.integrations import freeze_schedule, hf_attention, hf_graph
 
     spin = 20_000_000  # GPU cycles, about 10 ms
     encode_due, start = hf_attention.FusedKVarNLayer._encode_due, hf_attention._start_encodes
@@ -199,9 +199,9 @@ def test_flush_ahead_waits_on_both_streams(model, mode, group, monkeypatch):
 
     monkeypatch.setattr(hf_attention.FusedKVarNLayer, "_encode_due", slow_encode)
     monkeypatch.setattr(hf_attention, "_start_encodes", late_start)
-    monkeypatch.setattr(hf_graph, "_fork_group", lambda layers: group)
+    monkeypatch.setattr(freeze_schedule, "fork_group", lambda layers: group)
     if group > 1:
-        monkeypatch.setattr(hf_graph, "_early_layers", lambda layers: 2)
+        monkeypatch.setattr(freeze_schedule, "early_layers", lambda layers: 2)
     ids = torch.randint(0, 1000, (2, PROMPT), device="cuda")
     hf_attention.use_fused(model)
     try:

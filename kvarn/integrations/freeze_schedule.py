@@ -1,0 +1,73 @@
+"""Where a captured decode's tile freeze runs: which layers' encodes start in which step, at whose
+read, and on how much of the GPU (:func:`kvarn.integrations.hf_graph.decode_greedy`, ``flush_ahead``).
+
+The freeze of a batch-16 step (a program for every SM in each layer's encode) would cost that step
+16% in one piece, so it is shared by the ``fill`` step (whose token completes the tiles) and the
+``flush`` step (which freezes them), on a side CUDA stream. Each figure here is measured on the H200
+(BENCHMARKS.md: the freeze step); ``benchmarks/study_freeze_schedule.py`` replaces these functions
+to try others, which no user code should do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BESIDE = 4  # a fraction of the SMs per K and per V (BENCHMARKS.md: the freeze step)
+
+
+def beside_programs(device: torch.device) -> int:
+    """The encoder's programs for K and for V when its launches run beside the decode step: a
+    program on half the SMs, the other half left to the step's kernels (at batch 16 on the H200, 33
+    of 128 tiles a layer; smaller launches are not capped)."""
+    from ..kernels.layout import num_sms
+
+    return max(1, num_sms(device) // BESIDE)
+
+
+def fork_group(layers: list) -> int:
+    """How many layers' encodes one attention read starts with one fork of the side stream
+    (FusedKVarNLayer.read_done), and, in the flush step, one wait of the step's stream covers: 1,
+    each layer's encode its own fork and wait (the schedule measured so far); the study of the
+    freeze step tries more (BENCHMARKS.md). At most the early layers."""
+    return 1
+
+
+def encodes_fill_the_gpu(layers: list) -> bool:
+    """Whether one layer's encode launch (a K and a V program per row and KV head) has a program
+    for every SM (batch 16 and up on an H200)."""
+    if not layers or layers[0].device.type != "cuda":
+        return False
+    from ..kernels.layout import num_sms
+
+    rows, heads = layers[0].tail_k.shape[:2]
+    return 2 * rows * heads >= num_sms(layers[0].device)
+
+
+def early_layers(layers: list) -> int:
+    """How many of the layers start their encodes in the fill step, the share that evens the two
+    steps' excess on the H200 (BENCHMARKS.md: the freeze step); at least one. Half (16 of 32) where
+    the encodes fill the GPU: with the decode attention flat over the tail (session 20), each
+    layer's encode costs either step about the same (32K and 8K x 16: 16 layers give the smallest
+    larger step over both contexts, against 5, 10, 12 and 14); 5/8 (20 of 32) below that, where the
+    fill step's encodes cost less per layer than the flush step's."""
+    n = len(layers)
+    if encodes_fill_the_gpu(layers):
+        return max(1, n // 2)
+    return max(1, (5 * n + 4) // 8)
+
+
+def starts(n: int, early: int, group: int) -> list[tuple[int, range]]:
+    """Which layer's read starts which layers' encodes: ``(starter, members)`` per fork group of
+    ``group`` layers, for ``n`` layers of which the first ``early`` start in the fill step.
+
+    An early group starts at the read of its last member, in the fill step (joined at that step's
+    end); a later group at the read of the layer ``early`` before its last member, in the flush
+    step, and the group's first update waits for all of it. With groups of 1, layer early + i's
+    encode starts after layer i's read. A larger group forks and waits less and starts later
+    (early - group + 1 layers before its wait)."""
+    if not 1 <= group <= max(early, 1) or not 0 <= early <= n:
+        raise ValueError(f"need 0 <= early <= n and 1 <= group <= max(early, 1), got n={n}, early={early}, "
+                         f"group={group}")
+    spans = [(lo, min(lo + group, early), 0) for lo in range(0, early, group)]
+    spans += [(lo, min(lo + group, n), early) for lo in range(early, n, group)]
+    return [(hi - 1 - shift, range(lo, hi)) for lo, hi, shift in spans]
