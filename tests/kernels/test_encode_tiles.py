@@ -148,6 +148,25 @@ def test_encode_rotates_full_size_tiles(name, d, kdevice):
     assert flips <= max(1, int(1e-4 * total)) and moved <= 4
 
 
+@pytest.mark.parametrize("mag, offset, spread", [(30, 30, 1.0), (100, 20, 1.5)])
+def test_encode_keeps_the_twin_on_large_values(mag, offset, spread, kdevice):
+    """Far from unit scale (values up to about 10^4, channel offsets 20-30x a value's scale, token
+    scales spread over about two decades), the fp32 sums stay within the twin's tolerance: a pass's
+    deviations are taken around that pass's own means (sums around a stale mean cancel there:
+    scales that match no iterate, measured for one-pass sums shifted by the previous iteration's means)."""
+    cfg = KVarNConfig.from_name("k4v2_g128")
+    g = torch.Generator().manual_seed(1000 * mag + offset)
+    b, h, t, d = 1, 4, cfg.tile, 128
+    chan = 1 + 4 * torch.rand(1, h, 1, d, generator=g) ** 4
+    tok = torch.exp(spread * torch.randn(b, h, t, 1, generator=g))
+    k = mag * (torch.randn(b, h, t, d, generator=g) * chan * tok + offset * torch.randn(1, h, 1, d, generator=g))
+    v = 0.1 * mag * (torch.randn(b, h, t, d, generator=g) * tok + offset * torch.randn(1, h, 1, d, generator=g))
+    kt, vt = rotated_tiles(k.to(kdevice), v.to(kdevice), cfg)
+    out = kernels.encode_tiles(kt, vt, cfg)
+    flips, total, moved = compare(out, torch_encode(kt, vt, cfg), cfg, (kt, vt))
+    assert flips <= max(1, int(1e-4 * total)) and moved <= 4
+
+
 @pytest.mark.parametrize("tile,d,quantiles", [(64, 64, (0.03, 0.03)), (64, 128, (0.0, 0.05)),
                                               (128, 128, (0.03, 0.03)), (128, 256, (0.005, 0.2))])
 def test_encode_quantile_ranges(tile, d, quantiles, kdevice):
@@ -162,7 +181,7 @@ def test_encode_quantile_ranges(tile, d, quantiles, kdevice):
     kt, vt = rotated_tiles(k16.float(), v16.float(), cfg)
     out = kernels.encode_tiles(kt16, vt16, cfg, rotate=True)
     flips, total, moved = compare(out, torch_encode(kt, vt, cfg), cfg, (kt, vt))
-    assert flips <= max(1, int(1e-4 * total)) and moved <= 2
+    assert flips <= max(1, int(1e-4 * total)) and moved <= 4
     minmax = kernels.encode_tiles(kt16, vt16, KVarNConfig(key_bits=2, value_bits=2, tile=tile, sinkhorn_iters=4),
                                   rotate=True)
     assert torch.equal(out.k_row_scale, minmax.k_row_scale) == (quantiles[0] == 0.0)
