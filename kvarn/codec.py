@@ -354,6 +354,12 @@ class QuantizedKV:
         validate: reject records whose fp16 scales or zeros are NaN or Inf (ValueError naming the
         first such record and field); one pass over the scale bytes, not the codes.
         """
+        if not isinstance(config, KVarNConfig):
+            raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype={dtype!r} must be a floating-point torch.dtype (the dtype K/V decode to)")
+        if not isinstance(records, torch.Tensor):
+            raise TypeError(f"records must be a torch.Tensor, got {type(records).__name__}")
         if records.dim() != 4:
             raise ValueError(f"records must be [B, H, T/G, bytes], got shape {tuple(records.shape)}")
         b, h, n, _ = records.shape
@@ -421,6 +427,9 @@ def quantize_kv(keys: torch.Tensor, values: torch.Tensor, config: KVarNConfig) -
 
 def dequantize_kv(qkv: QuantizedKV, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantize to ``[B, H, T, D]`` in the original dtype; un-rotated unless ``rotated=True``."""
+    if not isinstance(qkv, QuantizedKV):
+        raise TypeError(f"qkv must be a QuantizedKV (from quantize_kv or QuantizedKV.from_records), "
+                        f"got {type(qkv).__name__}")
     k, v = tiles_to_kv(*decode_tiles(qkv.tiles, qkv.config))
     if not rotated:
         k, v = rotate(k), rotate(v)

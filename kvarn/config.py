@@ -6,6 +6,7 @@ Bytes per token per KV head follow the record layout of docs/algorithm.md sectio
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, replace
 
 SUPPORTED_BITS = (2, 4, 8)
@@ -21,6 +22,11 @@ def supported_head_dims() -> tuple[int, ...]:
         out.append(d)
         d *= 2
     return tuple(out)
+
+
+def _is_int(v) -> bool:
+    """An integer that is not a bool (``True == 1`` would pass a membership test)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -61,15 +67,15 @@ class KVarNConfig:
     def __post_init__(self) -> None:
         for field in ("key_bits", "value_bits"):
             v = getattr(self, field)
-            if v not in SUPPORTED_BITS:
+            if not _is_int(v) or v not in SUPPORTED_BITS:
                 raise ValueError(f"{field}={v!r} is not supported; choose one of {list(SUPPORTED_BITS)}")
-        if self.tile not in SUPPORTED_TILES:
+        if not _is_int(self.tile) or self.tile not in SUPPORTED_TILES:
             raise ValueError(f"tile={self.tile!r} is not supported; choose one of {list(SUPPORTED_TILES)}")
-        if not isinstance(self.sinkhorn_iters, int) or self.sinkhorn_iters < 0:
+        if not _is_int(self.sinkhorn_iters) or self.sinkhorn_iters < 0:
             raise ValueError(f"sinkhorn_iters={self.sinkhorn_iters!r} must be an integer >= 0")
         if self.sink_tokens is None:
             object.__setattr__(self, "sink_tokens", self.tile)
-        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0 or self.sink_tokens % self.tile:
+        if not _is_int(self.sink_tokens) or self.sink_tokens < 0 or self.sink_tokens % self.tile:
             raise ValueError(
                 f"sink_tokens={self.sink_tokens!r} must be a non-negative multiple of tile={self.tile}"
             )
@@ -79,11 +85,13 @@ class KVarNConfig:
                 raise ValueError(f"{field}={v!r} must be None or a number in [0, 0.5)")
         if self.rotation_dtype not in ("float32", "float16"):
             raise ValueError(f"rotation_dtype={self.rotation_dtype!r}; choose 'float32' or 'float16'")
+        if not isinstance(self.quantize_sliding_window, bool):
+            raise ValueError(f"quantize_sliding_window={self.quantize_sliding_window!r} must be True or False")
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> "KVarNConfig":
         """A preset of docs/algorithm.md section 6 by name (``k4v2_g128`` ...), with optional field overrides."""
-        if name not in PRESETS:
+        if not isinstance(name, str) or name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; valid presets: {sorted(PRESETS)}")
         return replace(PRESETS[name], **overrides) if overrides else PRESETS[name]
 

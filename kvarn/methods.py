@@ -78,7 +78,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 def get_method(name: str | Method) -> Method:
     if isinstance(name, Method):
         return name
-    if name not in METHODS:
+    if not isinstance(name, str) or name not in METHODS:
         raise ValueError(f"unknown method {name!r}; valid methods: {sorted(METHODS)}")
     return METHODS[name]
 

@@ -207,3 +207,23 @@ def test_config_type_checked():
 def test_public_api_small_and_lazy():
     assert set(kvarn.__all__) >= {"KVarNConfig", "quantize_kv", "dequantize_kv", "QuantizedKV"}
     assert len(kvarn.__all__) <= 12
+
+
+def test_dequantize_refuses_what_is_not_quantized():
+    k, _ = synthetic_kv(t=128, d=64)
+    with pytest.raises(TypeError, match="QuantizedKV.*got Tensor"):
+        dequantize_kv(k)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [({"config": "k4v2_g128"}, TypeError, "config must be a KVarNConfig, got str"),
+     ({"dtype": torch.int32}, TypeError, "dtype=torch.int32 must be a floating-point"),
+     ({"records": [0] * 13824}, TypeError, "records must be a torch.Tensor, got list")],
+)
+def test_from_records_checks_its_arguments(change, error, match):
+    cfg = KVarNConfig.from_name("k4v2_g128")
+    k, v = synthetic_kv(t=128, d=128)
+    args = {"records": quantize_kv(k, v, cfg).to_records(), "config": cfg, "head_dim": 128, "dtype": torch.float32}
+    with pytest.raises(error, match=match):
+        QuantizedKV.from_records(**{**args, **change})

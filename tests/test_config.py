@@ -77,3 +77,27 @@ def test_overrides_and_frozen():
 def test_unsupported_head_dim(d):
     with pytest.raises(ValueError, match=f"head_dim={d}"):
         KVarNConfig().record_bytes(d)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [({"key_bits": 2.0}, "key_bits"), ({"value_bits": True}, "value_bits"), ({"tile": 64.0}, "tile"),
+     ({"sinkhorn_iters": True}, "sinkhorn_iters"), ({"sinkhorn_iters": 8.0}, "sinkhorn_iters"),
+     ({"sink_tokens": 128.0}, "sink_tokens"), ({"quantize_sliding_window": "yes"}, "quantize_sliding_window")],
+)
+def test_integer_and_bool_fields_refuse_other_types(kwargs, field):
+    # 2.0 == 2 and True == 1 pass a membership test; the error must name the field given, not a later one.
+    with pytest.raises(ValueError, match=f"^{field}="):
+        KVarNConfig(**kwargs)
+
+
+def test_numpy_integers_are_accepted():
+    np = pytest.importorskip("numpy")
+    cfg = KVarNConfig(key_bits=np.int64(2), tile=np.int32(64))
+    assert cfg.name == "k2v2_g64" and cfg.bytes_per_token(128) == 82
+
+
+@pytest.mark.parametrize("name", [None, ["k4v2_g128"], 42])
+def test_preset_name_of_another_type_lists_valid_names(name):
+    with pytest.raises(ValueError, match="valid presets: .*k4v2_g128"):
+        KVarNConfig.from_name(name)

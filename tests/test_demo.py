@@ -77,3 +77,24 @@ def test_projected_bytes_follow_the_memory_report_accounting():
         measured = cache.memory_report()["total"]["total_bytes"]
         assert projected_bytes(method, "k2v2_g128", layers=1, kv_heads=3, head_dim=64, tokens=tokens,
                                esize=4) == measured
+
+
+def test_side_by_side_wraps_a_long_header_instead_of_cutting_it():
+    gen = _generation()
+    gen["runs"][1]["first_divergence"] = 16
+    text = side_by_side(gen, width=60)  # columns of 20 characters
+    assert "token 16)" in text.replace("\n", " ")  # cut to 20, "...token 16" would read "token 1"
+    rule = [i for i, line in enumerate(text.splitlines()) if line.startswith("-" * 20)]
+    assert len(rule) == 1  # the rules under the headers stay on one line
+
+
+def test_summary_states_the_presets_sink_and_chunk():
+    from kvarn.cli.demo import projected_bytes
+
+    proj = {m: {n: projected_bytes(m, "k2v2_g64", layers=1, kv_heads=1, head_dim=64, tokens=n, esize=4)
+                for n in (512, 8192)} for m in FAKE_METHODS}
+    md = summary_markdown(model="smollm2-135m", preset="k2v2_g64", dtype="float32", tokens=512, text="wikitext2",
+                          errors=error_rows(_doc(), FAKE_METHODS, "k2v2_g128"), generation=_generation(),
+                          figure=Path("f.png"), seconds=1.0, projected=proj)
+    assert "The sink (first 64 tokens)" in md and "chunks of 64 tokens" in md
+    assert "128" not in md.replace("k2v2_g128", "")

@@ -102,6 +102,12 @@ def test_quality_order_on_outlier_keys():
         assert sq["k4v2_g64"][m] > sq["k2v2_g64"][m] + 10.0
 
 
+@pytest.mark.parametrize("name", [None, ["kvarn"], 3])
+def test_method_name_of_another_type_lists_valid_names(name):
+    with pytest.raises(ValueError, match="valid methods: .*kvarn"):
+        get_method(name)
+
+
 def test_unknown_method():
     with pytest.raises(ValueError, match="valid methods"):
         get_method("int3")

@@ -28,6 +28,26 @@ def torch_device(name: str):
     return device
 
 
+def positive_int(text: str) -> int:
+    """argparse type for counts that must be at least 1 (a negative ``--limit`` would slice from the end)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer (1 or more)")
+    return value
+
+
+def preset_name(text: str) -> str:
+    """argparse type for a preset of :data:`kvarn.PRESETS`, checked before any model loads."""
+    from kvarn.config import PRESETS
+
+    if text not in PRESETS:
+        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; valid presets: {', '.join(sorted(PRESETS))}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvarn", description="KVarN KV-cache quantization tools")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

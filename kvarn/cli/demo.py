@@ -29,14 +29,17 @@ INSTRUCTION = "\n\nSummarize the text above in two sentences."
 
 
 def add_parser(sub) -> None:
+    from kvarn.cli import positive_int, preset_name
+
     p = sub.add_parser("demo", help="error accumulation and generation on the bundled SmolLM2, with a PNG")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--preset", default="k2v2_g128")
+    p.add_argument("--preset", default="k2v2_g128", type=preset_name)
     p.add_argument("--methods", nargs="+", default=DEMO_METHODS, help="first one is the reference")
     p.add_argument("--text", default="wikitext2", help="bundled corpus name or a text file")
-    p.add_argument("--tokens", type=int, default=1024, help="pseudo-decode length (whole tiles)")
-    p.add_argument("--prompt-chars", type=int, default=1500, help="characters of the text in the generation prompt")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--tokens", type=positive_int, default=1024, help="pseudo-decode length (whole tiles)")
+    p.add_argument("--prompt-chars", type=positive_int, default=1500,
+                   help="characters of the text in the generation prompt")
+    p.add_argument("--max-new-tokens", type=positive_int, default=32)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out", type=Path, default=Path("demo_out"))
@@ -84,7 +87,10 @@ def projected_bytes(method: str, preset: str, *, layers: int, kv_heads: int, hea
 def summary_markdown(*, model: str, preset: str, dtype: str, tokens: int, text: str, errors: list[dict],
                      generation: dict, figure: Path, seconds: float, projected: dict | None = None) -> str:
     """The one-screen summary: memory, error after ``tokens`` tokens, figure path."""
+    from kvarn.config import KVarNConfig
+
     ref = generation["reference"]
+    cfg = KVarNConfig.from_name(preset)  # the sink and the pseudo-decode's chunk (one tile) of the preset
     lines = [
         f"# kvarn demo: {model}, {preset}, model dtype {dtype}",
         "",
@@ -103,9 +109,9 @@ def summary_markdown(*, model: str, preset: str, dtype: str, tokens: int, text: 
     if projected:
         ctx = sorted(next(iter(projected.values())))
         ref_bytes = projected.get(ref)
-        lines += ["", "The sink (first 128 tokens) and the unfinished last tile stay in " + dtype + ", so the saving "
-                  "grows with the context; the same accounting for one longer sequence, x smaller than the model's "
-                  f"{dtype} cache:", "",
+        lines += ["", f"The sink (first {cfg.sink_tokens} tokens) and the unfinished last tile stay in {dtype}, "
+                  "so the saving grows with the context; the same accounting for one longer sequence, x smaller "
+                  f"than the model's {dtype} cache:", "",
                   "| method | " + " | ".join(f"{n} tokens" for n in ctx) + " |",
                   "|---|" + "---:|" * len(ctx)]
         for m, by_len in projected.items():
@@ -116,7 +122,7 @@ def summary_markdown(*, model: str, preset: str, dtype: str, tokens: int, text: 
         "",
         "See docs/algorithm.md section 4 for the bytes per token of each preset.",
         "",
-        f"## Error after {tokens} tokens of {text} (pseudo-decode, chunks of 128 tokens)",
+        f"## Error after {tokens} tokens of {text} (pseudo-decode, chunks of {cfg.tile} tokens)",
         "",
         "Attention-output mean absolute error against a full-precision shadow, mean over layers. *Static*: "
         "the exact activations meet the quantized history (the local error). *Accumulated*: the model runs "
@@ -149,13 +155,15 @@ def side_by_side(generation: dict, width: int | None = None, max_lines: int = 14
     runs = generation["runs"]
     width = width or shutil.get_terminal_size((120, 24)).columns
     col = max(20, (width - 3 * (len(runs) - 1)) // len(runs))
-    cols = []
+    heads, bodies = [], []
     for r in runs:
         first = "same as " + generation["reference"] if r["first_divergence"] is None else \
             f"differs from token {r['first_divergence']}"
-        head = [f"{r['method']} ({first})"[:col], "-" * col]
-        body = textwrap.wrap(" ".join(r["text"].split()), col)[:max_lines]
-        cols.append(head + body)
+        # Wrapped, not cut: "differs from token 16" cut to the column would read "token 1".
+        heads.append(textwrap.wrap(f"{r['method']} ({first})", col))
+        bodies.append(textwrap.wrap(" ".join(r["text"].split()), col)[:max_lines])
+    n_head = max(len(h) for h in heads)
+    cols = [h + [""] * (n_head - len(h)) + ["-" * col] + b for h, b in zip(heads, bodies)]
     height = max(len(c) for c in cols)
     return "\n".join(" | ".join(c[i].ljust(col) if i < len(c) else " " * col for c in cols).rstrip()
                      for i in range(height))
@@ -168,16 +176,20 @@ def _run(args) -> int:
     from kvarn.analysis import load_text, parse_specs, run_drift, tokenize
     from kvarn.generation import compare
 
+    if args.tokens < PREFILL + 128:  # the text is cut to whole 128-token chunks; the prefill is exact
+        raise SystemExit(f"kvarn demo: --tokens {args.tokens} leaves nothing to measure after the exact "
+                         f"{PREFILL}-token prefill; use --tokens {PREFILL + 128} or more")
     if args.threads:
         torch.set_num_threads(args.threads)
     start = time.perf_counter()
     methods = list(dict.fromkeys(args.methods))
+    specs = parse_specs(methods, [args.preset])  # unknown methods are refused before the model loads
     model, tokenizer = models.load(args.model)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     text = load_text(args.text)
     ids = tokenize(tokenizer, text, args.tokens, multiple_of=128)
     out = Path(args.out)
-    doc = run_drift(model, ids, parse_specs(methods, [args.preset]), out / "drift", model_name=args.model,
+    doc = run_drift(model, ids, specs, out / "drift", model_name=args.model,
                     progress=not args.no_progress, extra={"text": str(args.text)}, prefill=PREFILL)
     figure = out / "drift" / "mae_vs_context.png"
     prompt = text[: args.prompt_chars].rsplit(" ", 1)[0] + INSTRUCTION

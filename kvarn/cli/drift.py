@@ -25,6 +25,8 @@ def _csv(s: str) -> list[str]:
 
 
 def add_parser(subparsers) -> None:
+    from kvarn.cli import positive_int
+
     p = subparsers.add_parser("drift", help="error accumulation of quantized KV caches (pseudo-decode)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="bundled model name or local HF folder")
@@ -32,8 +34,8 @@ def add_parser(subparsers) -> None:
                    help="bundled corpus (wikitext2, reasoning, book) or a text / JSONL file (default: wikitext2)")
     p.add_argument("--field", default=None, help="JSONL field holding the text (default 'text')")
     p.add_argument("--record", type=int, default=None, help="JSONL record index (default: all records joined)")
-    p.add_argument("--tokens", type=int, default=2048, help="token budget (rounded down to whole chunks)")
-    p.add_argument("--chunk", type=int, default=None, help="tokens per pseudo-decode chunk (default: the tile)")
+    p.add_argument("--tokens", type=positive_int, default=2048, help="token budget (rounded down to whole chunks)")
+    p.add_argument("--chunk", type=positive_int, default=None, help="tokens per pseudo-decode chunk (default: the tile)")
     p.add_argument("--prefill", type=int, default=None,
                    help="tokens of the first, exact pass, like a prompt (default: one chunk); kvarn-auto decides from it")
     p.add_argument("--auto-rules", type=_csv, default=None,

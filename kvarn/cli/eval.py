@@ -3,8 +3,9 @@
 Runs every (task, method, preset) combination, one JSONL file each, then writes ``summary.json``
 and ``summary.md`` for everything in DIR. Rerunning resumes. ``fp16`` ignores the preset.
 
-``--device cuda`` generates on a GPU; there the ``kvarn`` method decodes through the fused attention
-(:mod:`kvarn.integrations.hf_attention`), the other methods through the cache's own read path.
+``--device cuda`` generates on a GPU; there the ``kvarn`` and ``kvarn-auto`` methods decode through the
+fused attention (:mod:`kvarn.integrations.hf_attention`), the other methods through the cache's own
+read path.
 ``--regrade`` generates nothing: it grades the stored outputs of DIR again (for example HumanEval
 programs generated on a machine whose sandbox could not run) and rewrites the JSONL files and the
 summary.
@@ -26,14 +27,35 @@ def _ints(text: str) -> list[int]:
     return [int(t) for t in _csv(text)]
 
 
+def _methods(text: str) -> list[str]:
+    """``--method``: checked before the model loads and before a run's JSONL file is created (every
+    run builds a KVarNCache, so transformers' own quantized caches, generate's hf-*, are not among them)."""
+    from kvarn.methods import METHODS
+
+    valid = sorted(METHODS)
+    names = _csv(text)
+    bad = [m for m in names if m not in valid]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {bad}; valid methods: {', '.join(valid)}")
+    return names
+
+
+def _presets(text: str) -> list[str]:
+    from kvarn.cli import preset_name
+
+    return [preset_name(t) for t in _csv(text)]
+
+
 def add_parser(subparsers) -> None:
+    from kvarn.cli import positive_int
+
     p = subparsers.add_parser("eval", help="evaluate a model with a KV-cache method on tasks",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("task", type=_csv, help="math500, aime24, aime25, gsm8k, humaneval, line_retrieval (comma list)")
     p.add_argument("--model", default="smollm2-135m", help="bundled model name or local HF folder")
-    p.add_argument("--method", type=_csv, default=["fp16"], help="comma list of cache methods")
-    p.add_argument("--preset", type=_csv, default=["k4v2_g128"], help="comma list of presets")
-    p.add_argument("--limit", type=int, default=None, help="first N problems (line_retrieval: per length)")
+    p.add_argument("--method", type=_methods, default=["fp16"], help="comma list of cache methods")
+    p.add_argument("--preset", type=_presets, default=["k4v2_g128"], help="comma list of presets")
+    p.add_argument("--limit", type=positive_int, default=None, help="first N problems (line_retrieval: per length)")
     p.add_argument("--samples", type=int, default=1, help="samples per problem and seed")
     p.add_argument("--seed", type=_ints, default=[0], help="comma list of seeds")
     p.add_argument("--temperature", type=float, default=0.6, help="0 = greedy (default 0.6, DeepSeek-R1)")

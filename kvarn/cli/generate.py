@@ -4,9 +4,9 @@ Generates (greedy) with a KVarN cache and prints the text, tokens/s and the cach
 ``--compare REF`` also runs REF on the same prompt and reports token agreement and the first
 divergence. ``--json`` prints everything as one JSON object instead.
 
-``--device cuda`` generates on a GPU; there the ``kvarn`` method decodes through the fused
-attention (:mod:`kvarn.integrations.hf_attention`: packed tiles read by the Triton kernel), the
-other methods through the cache's own read path.
+``--device cuda`` generates on a GPU; there the ``kvarn`` and ``kvarn-auto`` methods decode through
+the fused attention (:mod:`kvarn.integrations.hf_attention`: packed tiles read by the Triton kernel),
+the other methods through the cache's own read path.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ HF_BASELINES = ("hf-hqq", "hf-quanto")
 
 
 def add_parser(subparsers) -> None:
+    from kvarn.cli import positive_int, preset_name
     from kvarn.methods import METHODS
 
     choices = sorted(METHODS) + list(HF_BASELINES)
@@ -31,16 +32,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("prompt", help="the user prompt (wrapped in the chat template when the model has one)")
     p.add_argument("--model", default="smollm2-135m", help="bundled model name or local HF folder")
     p.add_argument("--method", default="kvarn", choices=choices)
-    p.add_argument("--preset", default="k2v2_g128",
+    p.add_argument("--preset", default="k2v2_g128", type=preset_name,
                    help="k2v2_g128, k4v2_g128, k4v4_g128, *_g64 (hf-* methods: k2v2_* or k4v4_* only)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--compare", default=None, choices=choices, help="also run this method and compare")
     p.add_argument("--sink-tokens", type=int, default=None, help="full-precision sink S (default: one tile)")
     p.add_argument("--tile", type=int, default=None, help="override the preset's tile size G")
     p.add_argument("--quantize-sliding-window", action="store_true", help="also quantize sliding-window layers")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="where the model runs: cpu, cuda, cuda:1, ... (kvarn fused on CUDA)")
+    p.add_argument("--device", default="cpu",
+                   help="where the model runs: cpu, cuda, cuda:1, ... (kvarn, kvarn-auto fused on CUDA)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_main)
 
@@ -61,8 +63,13 @@ def _main(args) -> int:
 
     from kvarn import generation, models
     from kvarn.cli import torch_device
+    from kvarn.config import KVarNConfig
 
     device = torch_device(args.device)
+    try:  # --tile / --sink-tokens against the preset, before the model loads
+        KVarNConfig.from_name(args.preset, **_overrides(args))
+    except ValueError as e:
+        raise SystemExit(f"kvarn generate: {e}") from None
     model, tokenizer = models.load(args.model, dtype=getattr(torch, args.dtype))
     kw = dict(chat=not args.no_chat, overrides=_overrides(args))
     if device.type == "cuda":
