@@ -7,6 +7,9 @@ path (``TileStore.encode_into``: one launch per layer that rotates, encodes, fla
 scale and writes the reserved slots) for the 32 layers, captured in one CUDA graph as a captured
 decode step runs it; and the torch codec (one call). The rotating one-launch form is also timed at
 2, 4, 8 and 16 warps (``triton_rotating_us_by_warps``; the encoder's default depends on the launch size).
+Beside the decode step (``flush_ahead``) a layer's encode is one launch capped at
+``freeze_schedule.beside_programs`` programs for K and for V, each program alone on its SM: its
+time, and the SM-time a tile costs there (time x programs / tiles), are ``beside_*``.
 The share of a decode step is in bench_e2e.py's flush column. ``--ranges auto`` also times each
 preset with kvarn-auto's rounding ranges (2-bit rows over their quantiles: a sort per row).
 Prints a table, writes JSON.
@@ -28,6 +31,11 @@ from kvarn.cache.store import TileStore
 from kvarn.codec import encode_tiles as torch_encode, record_layout
 from kvarn.config import KVarNConfig
 from kvarn.integrations.triton_codec import TritonTileCodec
+
+try:
+    from kvarn.integrations.freeze_schedule import beside_programs
+except ImportError:  # an older tree (the A/B comparisons)
+    from kvarn.integrations.hf_graph import _beside_programs as beside_programs
 
 LAYERS, HK, D = 32, 8, 128
 
@@ -92,21 +100,31 @@ def main():
                     kernels.encode_tiles(lk, lv, cfg, out=o, rotate=True)
 
             t_layers = do_bench_cudagraph(per_layer, rep=100, return_mode="median") * 1e-3
+            # One layer's encode as the side stream launches it beside the step (capped grid).
+            capped = beside_programs(dev)
+            lk, lv = layers[0]
+            t_beside = do_bench(lambda: kernels.encode_tiles(lk, lv, cfg, out=outs[0], rotate=True, programs=capped),
+                                rep=100, return_mode="median") * 1e-3
+            held = min(2 * capped, 2 * per)  # programs (each alone on an SM: fewer than the SMs)
             t_path = cache_path_us(cfg, b, dev) * 1e-6
             row = {"preset": name, "ranges": ranges, "batch": b, "tiles": 2 * m, "triton_us": t_tr * 1e6, "torch_us": t_th * 1e6,
                    "triton_rotating_us": t_rot * 1e6,
                    "triton_per_layer_launches_us": t_layers * 1e6, "cache_path_us": t_path * 1e6,
                    "triton_rotating_us_by_warps": warps,
+                   "beside_programs": held, "beside_layer_us": t_beside * 1e6,
+                   "beside_sm_us_per_tile": t_beside * 1e6 * held / (2 * per),
                    "triton_us_per_tile": t_tr * 1e6 / (2 * m)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     with open(a.out, "w") as fh:
         json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
     print("| preset | ranges | B | K+V tiles | Triton, one launch µs | same, rotating model-frame tiles µs | Triton, a launch "
-          "per layer µs | cache flush path (32 layers, captured) µs | torch codec µs |\n|---|---|---|---|---|---|---|---|---|")
+          "per layer µs | cache flush path (32 layers, captured) µs | torch codec µs | beside the step: a layer µs "
+          "(programs), SM-µs a tile |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['preset']} | {r['ranges']} | {r['batch']} | {r['tiles']} | {r['triton_us']:.0f} | {r['triton_rotating_us']:.0f} | "
-              f"{r['triton_per_layer_launches_us']:.0f} | {r['cache_path_us']:.0f} | {r['torch_us']:.0f} |")
+              f"{r['triton_per_layer_launches_us']:.0f} | {r['cache_path_us']:.0f} | {r['torch_us']:.0f} | "
+              f"{r['beside_layer_us']:.0f} ({r['beside_programs']}), {r['beside_sm_us_per_tile']:.1f} |")
 
 
 if __name__ == "__main__":
