@@ -193,6 +193,9 @@ def test_errors_name_the_bad_value():
         KVarNCache(None, "kvarn", "k2v2_g128", tiles=64)
     cache = KVarNCache(None, "kvarn", KVarNConfig(tile=64))
     assert cache.config.tile == 64
+    k, v = _kv(1, 2, 8)
+    with pytest.raises(ValueError, match=r"keys of shape \(2, 8, 64\); KVarNCache takes \[batch, kv_heads"):
+        KVarNCache(None, "kvarn", "k4v2_g64").update(k[0], v[0], 0)
 
 
 def test_unsupported_layer_type_raises():

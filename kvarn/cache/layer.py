@@ -110,6 +110,9 @@ class KVarNLayer(CacheLayerMixin):
 
     # state --------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.dim() != 4:
+            raise ValueError(f"keys of shape {tuple(key_states.shape)}; KVarNCache takes [batch, kv_heads, "
+                             "tokens, head_dim] key and value states")
         if key_states.shape != value_states.shape:
             raise ValueError(
                 f"keys {tuple(key_states.shape)} and values {tuple(value_states.shape)} differ in shape; "

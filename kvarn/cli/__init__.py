@@ -50,7 +50,7 @@ def preset_name(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvarn", description="KVarN KV-cache quantization tools")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging, tracebacks of refused values")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         try:
@@ -67,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # a value the library refused by name; -v keeps the traceback
+        if args.verbose:
+            raise
+        raise SystemExit(f"kvarn {args.command}: {exc} (-v shows where)") from None
 
 
 if __name__ == "__main__":
