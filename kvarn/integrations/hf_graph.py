@@ -10,7 +10,7 @@ mask is passed (rows in lockstep need none), so transformers builds none.
 
 Caches that can be captured: :func:`~kvarn.integrations.hf_attention.fused_cache` with
 ``max_length`` (every row at the same length, i.e. no left padding; see
-:class:`~kvarn.integrations.hf_attention.FusedKVarNLayer`) and transformers' ``StaticCache``.
+:class:`~kvarn.integrations.fused_layer.FusedKVarNLayer`) and transformers' ``StaticCache``.
 A tile is encoded by the fused step after the one whose token completes it (the tile stays in
 full precision while it is the unfinished last one, as the spec says), so steps come in kinds,
 each its own graph: ``plain``; ``fill``, whose token completes a tile; ``flush``, which freezes it.
@@ -20,7 +20,7 @@ With ``flush_ahead`` (the default) the freeze is shared by the ``fill`` and the 
 a side CUDA stream (:mod:`~kvarn.integrations.freeze_schedule` says which layers start where, and
 on how many SMs): the early layers start their encodes in the fill step, each as soon as its
 attention has read the token that completes its tile
-(:meth:`~kvarn.integrations.hf_attention.FusedKVarNLayer.read_done`), overlapping the rest of that
+(:meth:`~kvarn.integrations.fused_layer.FusedKVarNLayer.read_done`), overlapping the rest of that
 step, joined at its end; the others start theirs in the flush step, each after the read of a layer
 that many layers earlier, and each of their updates waits for its own. The launches are given part
 of the SMs (the encoder's grid capped, the same bits), so they share the GPU with the step's
@@ -49,7 +49,7 @@ from collections.abc import Callable
 import torch
 
 from . import freeze_schedule
-from .hf_attention import FusedKVarNLayer
+from .fused_layer import FusedKVarNLayer
 
 logger = logging.getLogger(__name__)
 

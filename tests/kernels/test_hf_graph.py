@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("kvarn.kernels", reason="triton is not importable")
 
 from kvarn import KVarNCache  # noqa: E402
-from kvarn.integrations import freeze_schedule, hf_attention, hf_graph  # noqa: E402
+from kvarn.integrations import freeze_schedule, fused_layer, hf_attention, hf_graph  # noqa: E402
 from kernel_data import HAS_CUDA  # noqa: E402
 
 PRESET = dict(preset="k4v2_g64", sinkhorn_iters=2)  # S = G = 64
@@ -96,7 +96,7 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
     monkeypatch.setattr(freeze_schedule, "fork_group", lambda layers: group)
     ids = torch.randint(0, 97, (1, PROMPT), device=kdevice)
     calls, step = [], [0]
-    encode_due = hf_attention.FusedKVarNLayer._encode_due
+    encode_due = fused_layer.FusedKVarNLayer._encode_due
 
     def spy(self, n, programs=None):
         import inspect
@@ -107,7 +107,7 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
                       self.tail_len[0], self.store.counts[0]))
         return encode_due(self, n, programs)
 
-    monkeypatch.setattr(hf_attention.FusedKVarNLayer, "_encode_due", spy)
+    monkeypatch.setattr(fused_layer.FusedKVarNLayer, "_encode_due", spy)
     cache = _fused(model, max_length=PROMPT + NEW)
     hf_graph.decode_greedy(model, cache, ids, NEW, capture="none", on_step=lambda i: step.__setitem__(0, i))
     g = cache.layers[0].tile
@@ -231,7 +231,7 @@ def test_simulated_replay_catches_a_host_position(fused_model, kdevice, monkeypa
         self._dev_len[1].add_(frozen)
         self._dev_len[2].add_(q - frozen * self.tile)
 
-    monkeypatch.setattr(hf_attention.FusedKVarNLayer, "_append_device", host_append)
+    monkeypatch.setattr(fused_layer.FusedKVarNLayer, "_append_device", host_append)
     eager = hf_graph.decode_greedy(model, _fused(model, max_length=PROMPT + NEW), ids, NEW, capture="none")
     bad_cache = _fused(model, max_length=PROMPT + NEW)
     hf_graph.decode_greedy(model, bad_cache, ids, NEW, capture="simulate")

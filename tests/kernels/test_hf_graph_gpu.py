@@ -183,10 +183,10 @@ def test_flush_ahead_waits_on_both_streams(model, mode, group, monkeypatch):
     at earlier layers' reads, so each of their updates must wait for its own as well; with a fork
     group of 2 (``freeze_schedule.fork_group``, two of the four layers early) the first update of a group waits
     for both encodes, the second for none."""
-    from kvarn.integrations import freeze_schedule, hf_attention, hf_graph
+    from kvarn.integrations import freeze_schedule, fused_layer, hf_attention, hf_graph
 
     spin = 20_000_000  # GPU cycles, about 10 ms
-    encode_due, start = hf_attention.FusedKVarNLayer._encode_due, hf_attention._start_encodes
+    encode_due, start = fused_layer.FusedKVarNLayer._encode_due, fused_layer._start_encodes
 
     def slow_encode(self, n, programs=None):
         torch.cuda._sleep(spin)  # on the stream the encode runs on
@@ -197,8 +197,8 @@ def test_flush_ahead_waits_on_both_streams(model, mode, group, monkeypatch):
             torch.cuda._sleep(spin)  # the step's stream lags behind the host
         start(layers, stream)
 
-    monkeypatch.setattr(hf_attention.FusedKVarNLayer, "_encode_due", slow_encode)
-    monkeypatch.setattr(hf_attention, "_start_encodes", late_start)
+    monkeypatch.setattr(fused_layer.FusedKVarNLayer, "_encode_due", slow_encode)
+    monkeypatch.setattr(fused_layer, "_start_encodes", late_start)
     monkeypatch.setattr(freeze_schedule, "fork_group", lambda layers: group)
     if group > 1:
         monkeypatch.setattr(freeze_schedule, "early_layers", lambda layers: 2)
