@@ -132,7 +132,7 @@ import bench_e2e as be  # noqa: E402
 from kvarn import kernels  # noqa: E402
 from kvarn.integrations import hf_attention, hf_graph  # noqa: E402
 
-try:  # the schedule's choices (session 26 on)
+try:  # the schedule's choices (this tree)
     from kvarn.integrations import freeze_schedule as SCHED  # noqa: E402
     HOOKS = {"early": "early_layers", "programs": "beside_programs", "group": "fork_group"}
 except ImportError:  # an older tree (the A/B comparisons): hf_graph's own functions

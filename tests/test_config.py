@@ -93,8 +93,9 @@ def test_integer_and_bool_fields_refuse_other_types(kwargs, field):
 
 def test_numpy_integers_are_accepted():
     np = pytest.importorskip("numpy")
-    cfg = KVarNConfig(key_bits=np.int64(2), tile=np.int32(64))
+    cfg = KVarNConfig(key_bits=np.int64(2), tile=np.int32(64), sink_tokens=np.int64(128))
     assert cfg.name == "k2v2_g64" and cfg.bytes_per_token(128) == 82
+    assert all(type(getattr(cfg, f)) is int for f in ("key_bits", "tile", "sink_tokens"))  # JSON-ready
 
 
 @pytest.mark.parametrize("name", [None, ["k4v2_g128"], 42])

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except ValueError as exc:  # a value the library refused by name; -v keeps the traceback
+    except ValueError as exc:  # the library refuses bad values with one; -v keeps the traceback (and a bug's)
         if args.verbose:
             raise
         raise SystemExit(f"kvarn {args.command}: {exc} (-v shows where)") from None

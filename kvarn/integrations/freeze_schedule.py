@@ -46,7 +46,7 @@ def encodes_fill_the_gpu(layers: list) -> bool:
 def early_layers(layers: list) -> int:
     """How many of the layers start their encodes in the fill step, the share that evens the two
     steps' excess on the H200 (BENCHMARKS.md: the freeze step); at least one. Half (16 of 32) where
-    the encodes fill the GPU: with the decode attention flat over the tail (session 20), each
+    the encodes fill the GPU: with the decode attention flat over the tail, each
     layer's encode costs either step about the same (32K and 8K x 16: 16 layers give the smallest
     larger step over both contexts, against 5, 10, 12 and 14); 5/8 (20 of 32) below that, where the
     fill step's encodes cost less per layer than the flush step's."""
@@ -65,9 +65,8 @@ def starts(n: int, early: int, group: int) -> list[tuple[int, range]]:
     step, and the group's first update waits for all of it. With groups of 1, layer early + i's
     encode starts after layer i's read. A larger group forks and waits less and starts later
     (early - group + 1 layers before its wait)."""
-    if not 1 <= group <= max(early, 1) or not 0 <= early <= n:
-        raise ValueError(f"need 0 <= early <= n and 1 <= group <= max(early, 1), got n={n}, early={early}, "
-                         f"group={group}")
+    if not (0 == early == n or 1 <= group <= early <= n):  # a later group's start needs an early read
+        raise ValueError(f"need 1 <= group <= early <= n (or no layers), got n={n}, early={early}, group={group}")
     spans = [(lo, min(lo + group, early), 0) for lo in range(0, early, group)]
     spans += [(lo, min(lo + group, n), early) for lo in range(early, n, group)]
     return [(hi - 1 - shift, range(lo, hi)) for lo, hi, shift in spans]

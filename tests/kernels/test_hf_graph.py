@@ -156,6 +156,8 @@ def test_fork_groups_start_every_layer_once_before_its_update(n, data):
             assert starter == m[-1] - early and starter < m[0]
     with pytest.raises(ValueError, match="group=.*"):
         freeze_schedule.starts(n, early, early + 1)
+    with pytest.raises(ValueError, match="early=0"):  # no read would start the later groups in time
+        freeze_schedule.starts(n, 0, 1)
 
 
 def test_steady_steps_keep_the_tail_buffers(fused_model, kdevice):
