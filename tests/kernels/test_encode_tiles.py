@@ -244,6 +244,20 @@ def test_encode_flags_nonfinite_scales(kdevice):
     assert not torch.isfinite(out.v_row_scale[0, 1].float()).all() and torch.isfinite(out.v_row_scale[0, 0].float()).all()
 
 
+def test_encode_keeps_the_identity_when_its_score_is_not_a_number(kdevice):
+    """The identity's imbalance is the first best even when it is NaN (fp32 values whose variances
+    overflow: inf / inf), so no later iterate is taken (spec section 2: best = imbalance(X)); the
+    launch is flagged."""
+    cfg = KVarNConfig(key_bits=4, value_bits=2, tile=64, sinkhorn_iters=2)
+    g = torch.Generator().manual_seed(0)
+    kt = (torch.randn(1, 1, 64, 64, generator=g) * 1e20).to(kdevice)  # [.., D, G]
+    vt = torch.randn(1, 1, 64, 64, generator=g).to(kdevice)
+    bad = torch.zeros(1, dtype=torch.int32, device=kdevice)
+    out = kernels.encode_tiles(kt, vt, cfg, bad=bad)
+    assert int(bad[0]) == 1
+    assert (out.k_col_scale.float() == 1).all()  # the identity (the twin refuses such a tile by name)
+
+
 def test_encode_errors(kdevice, monkeypatch):
     cfg = KVarNConfig(tile=64)
     kt = torch.randn(2, 64, 64, device=kdevice)
