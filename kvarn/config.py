@@ -73,15 +73,14 @@ class KVarNConfig:
             raise ValueError(f"tile={self.tile!r} is not supported; choose one of {list(SUPPORTED_TILES)}")
         if not _is_int(self.sinkhorn_iters) or self.sinkhorn_iters < 0:
             raise ValueError(f"sinkhorn_iters={self.sinkhorn_iters!r} must be an integer >= 0")
-        for field in ("key_bits", "value_bits", "tile", "sinkhorn_iters"):  # numpy integers as int (JSON)
-            object.__setattr__(self, field, int(getattr(self, field)))
         if self.sink_tokens is None:
             object.__setattr__(self, "sink_tokens", self.tile)
         if not _is_int(self.sink_tokens) or self.sink_tokens < 0 or self.sink_tokens % self.tile:
             raise ValueError(
                 f"sink_tokens={self.sink_tokens!r} must be a non-negative multiple of tile={self.tile}"
             )
-        object.__setattr__(self, "sink_tokens", int(self.sink_tokens))
+        for field in ("key_bits", "value_bits", "tile", "sinkhorn_iters", "sink_tokens"):  # numpy ints as int (JSON)
+            object.__setattr__(self, field, int(getattr(self, field)))
         for field in ("key_quantile", "value_quantile"):
             v = getattr(self, field)
             if v is not None and not (isinstance(v, (int, float)) and 0.0 <= v < 0.5):

@@ -40,11 +40,13 @@ def positive_int(text: str) -> int:
 
 
 def preset_name(text: str) -> str:
-    """argparse type for a preset of :data:`kvarn.PRESETS`, checked before any model loads."""
-    from kvarn.config import PRESETS
+    """argparse type for a preset name, checked (by :meth:`KVarNConfig.from_name`) before any model loads."""
+    from kvarn.config import KVarNConfig
 
-    if text not in PRESETS:
-        raise argparse.ArgumentTypeError(f"unknown preset {text!r}; valid presets: {', '.join(sorted(PRESETS))}")
+    try:
+        KVarNConfig.from_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 

@@ -35,7 +35,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--field", default=None, help="JSONL field holding the text (default 'text')")
     p.add_argument("--record", type=int, default=None, help="JSONL record index (default: all records joined)")
     p.add_argument("--tokens", type=positive_int, default=2048, help="token budget (rounded down to whole chunks)")
-    p.add_argument("--chunk", type=positive_int, default=None, help="tokens per pseudo-decode chunk (default: the tile)")
+    p.add_argument("--chunk", type=positive_int, default=None,
+                   help="tokens per pseudo-decode chunk (default: the tile)")
     p.add_argument("--prefill", type=positive_int, default=None,
                    help="tokens of the first, exact pass, like a prompt (default: one chunk); kvarn-auto decides from it")
     p.add_argument("--auto-rules", type=_csv, default=None,

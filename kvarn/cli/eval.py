@@ -30,13 +30,14 @@ def _ints(text: str) -> list[int]:
 def _methods(text: str) -> list[str]:
     """``--method``: checked before the model loads and before a run's JSONL file is created (every
     run builds a KVarNCache, so transformers' own quantized caches, generate's hf-*, are not among them)."""
-    from kvarn.methods import METHODS
+    from kvarn.methods import get_method
 
-    valid = sorted(METHODS)
     names = _csv(text)
-    bad = [m for m in names if m not in valid]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {bad}; valid methods: {', '.join(valid)}")
+    try:
+        for name in names:
+            get_method(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return names
 
 

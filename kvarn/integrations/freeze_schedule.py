@@ -46,10 +46,10 @@ def encodes_fill_the_gpu(layers: list) -> bool:
 def early_layers(layers: list) -> int:
     """How many of the layers start their encodes in the fill step, the share that evens the two
     steps' excess on the H200 (BENCHMARKS.md: the freeze step); at least one. Half (16 of 32) where
-    the encodes fill the GPU: with the decode attention flat over the tail, each
-    layer's encode costs either step about the same (32K and 8K x 16: 16 layers give the smallest
-    larger step over both contexts, against 5, 10, 12 and 14); 5/8 (20 of 32) below that, where the
-    fill step's encodes cost less per layer than the flush step's."""
+    the encodes fill the GPU: with the decode attention flat over the tail, each layer's encode
+    costs either step about the same (32K and 8K x 16: 16 layers give the smallest larger step over
+    both contexts, against 5, 10, 12 and 14); 5/8 (20 of 32) below that, where the fill step's
+    encodes cost less per layer than the flush step's."""
     n = len(layers)
     if encodes_fill_the_gpu(layers):
         return max(1, n // 2)
