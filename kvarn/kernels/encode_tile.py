@@ -17,7 +17,7 @@ as one FMA of ``X exp(-a)``, ``X exp(-a) (exp(-b) / step) - lo / step``), ``exp`
 ``log`` are the GPU's ``ex2.approx`` and ``lg2.approx`` (``tl.exp2`` and ``tl.log2`` under the
 interpreter; in the loop their ``.ftz`` forms: the clamped scales keep every argument and result
 normal, so only the subnormal handling is left out); fp16 tiles are rotated with their first
-Hadamard factor exact (:func:`_rotate`), so a scale can differ by one fp16 ulp, a code
+Hadamard factor exact (:func:`kvarn.kernels.encode._rotate`), so a scale can differ by one fp16 ulp, a code
 that sits on a rounding boundary can move by one step, and where two iterates score the same
 imbalance up to fp32 rounding the kernel may keep the other one (rarely: see the kernel tests).
 Quantile ranges (``config.key_quantile`` / ``value_quantile`` > 0): the ranks each quantile
