@@ -7,7 +7,7 @@ all ``M = GROUP * Tq`` query rows of the KV head. Every program writes ``(m, l, 
 two-level tree merges them in the same launch (atomic counters): the last program of each group
 of MERGE_GROUP splits to finish merges its group, the last group merges the groups, and the
 result is un-rotated. The rotations of the query (every program) and of the merged output are
-done in registers (:func:`decode_blocks.hadamard_rows`: two 16-wide MMAs over the Kronecker
+done in registers (:func:`hadamard.hadamard_rows`: two 16-wide MMAs over the Kronecker
 factors of H), so no program reads H. At batch 1 the merge is the serial tail of the launch; the
 tree keeps it short enough that many short splits pay (launch_plan). A tile's fields are loaded together
 (:func:`decode_blocks.tile_load`); with ``num_stages`` >= 2 Triton's pipeline copies tile n+1's
@@ -54,7 +54,8 @@ import triton.language as tl
 from ..attention import check_decode_inputs, head_flags
 from ..codec import FIELD_ORDER, TileFields
 from ..config import KVarNConfig
-from .decode_blocks import fp_block, fp_result, hadamard_rows, hilo, merge_range, store_output, store_partial, tile_load, tile_step
+from .decode_blocks import fp_block, fp_result, hilo, merge_range, store_output, store_partial, tile_load, tile_step
+from .hadamard import hadamard_rows
 from .layout import check_device, check_launch_knobs, empty_fields, interpreting, lead_strides, num_sms
 
 LOG2E = 1.4426950408889634

@@ -32,7 +32,7 @@ import triton.language as tl
 from ..codec import TileFields
 from ..config import KVarNConfig
 from ..quantize import quantile_ranks
-from .decode_blocks import hadamard_rows
+from .hadamard import hadamard_rows
 from .encode_tile import _encode_one
 from .layout import (check_device, check_fields, check_launch_knobs, empty_fields, interpreting, lead_strides,
                      num_sms)

@@ -21,7 +21,7 @@ import triton  # noqa: E402 (after the skip: kvarn.kernels needs triton)
 import triton.language as tl  # noqa: E402
 
 from kvarn.hadamard import hadamard_matrix  # noqa: E402
-from kvarn.kernels.decode_blocks import hadamard_rows  # noqa: E402
+from kvarn.kernels.hadamard import hadamard_rows  # noqa: E402
 
 
 @triton.jit
