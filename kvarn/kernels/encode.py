@@ -3,7 +3,7 @@
 Twin of :func:`kvarn.codec.encode_tiles`. One program per (tile, K or V): the whole tile ``X [R, C]``
 stays in registers through the T iterations of the dual-axis normalization (spec section 2; best
 iterate per tile, identity included, ties to the later iterate), then rows are rounded to nearest
-even (spec section 3), packed low bits first (spec section 4; code matrices stored transposed, as :mod:`kvarn.codec`
+even (spec section 3), packed low bits first (spec section 4; code matrices stored transposed, as :mod:`kvarn.record`
 says) and the fp16 fields are stored.
 
 The tiles come in rotated, or in the model frame (``rotate``): then the kernel rotates each token
@@ -47,9 +47,9 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import constexpr_function
 
-from ..codec import TileFields
 from ..config import KVarNConfig
 from ..quantize import quantile_ranks
+from ..record import TileFields
 from .decode_blocks import hadamard_rows
 from .layout import (check_device, check_fields, check_launch_knobs, empty_fields, interpreting, lead_strides,
                      num_sms)
@@ -253,7 +253,7 @@ def _encode_one(
     else:
         packed = _pack(q, BITS, P)
     pcols = tl.arange(0, CB)
-    # Stored transposed, [C / P, R] (the code byte order of kvarn.codec).
+    # Stored transposed, [C / P, R] (the code byte order of kvarn.record).
     tl.store(codes_ptr + codes_off + pcols[None, :] * R + rows[:, None], packed.to(tl.uint8))
     rs = (row_scale * step).to(tl.float16)
     rz = (row_scale * lo).to(tl.float16)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from ...codec import decode_tiles, record_field_views
+from ...codec import decode_tiles
 from ...hadamard import rotate
+from ...record import record_field_views
 from .plan import StepPlan
 
 

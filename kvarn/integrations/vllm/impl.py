@@ -24,9 +24,10 @@ from torch.profiler import record_function
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
-from ...codec import numba_available, record_field_views
+from ...codec import numba_available
 from ...folded import folded_decode_attention, scratch_buffer
 from ...hadamard import rotate
+from ...record import record_field_views
 from .exact import ExactAttention
 from .hooks import install_hooks
 from .plan import StepPlan, commit_chunks
