@@ -28,7 +28,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 from kvarn import kernels
 from kvarn.auto import auto_ranges
 from kvarn.cache.store import TileStore
-from kvarn.codec import encode_tiles as torch_encode, record_layout
+from kvarn.codec import encode_tiles as torch_encode
 from kvarn.config import KVarNConfig
 from kvarn.integrations.triton_codec import TritonTileCodec
 
@@ -36,6 +36,11 @@ try:
     from kvarn.integrations.freeze_schedule import beside_programs
 except ImportError:  # an older tree (the A/B comparisons)
     from kvarn.integrations.hf_graph import _beside_programs as beside_programs
+
+try:
+    from kvarn.record import record_layout
+except ImportError:  # an older tree (the A/B comparisons)
+    from kvarn.codec import record_layout
 
 LAYERS, HK, D = 32, 8, 128
 

@@ -31,9 +31,10 @@ import math
 
 import torch
 
-from .codec import TileFields, decode_tiles
+from .codec import decode_tiles
 from .config import KVarNConfig
 from .flavour import rotate_where
+from .record import TileFields
 
 __all__ = ["decode_attention", "check_decode_inputs", "head_flags"]
 

@@ -60,8 +60,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .config import KVarNConfig
-from .codec import TileFields
 from .flavour import NAMED, OPTIONS, Flavours, option_index, roundtrip_options, select_options
+from .record import TileFields
 
 RULES = ("a2", "a3", "n2", "r3")
 #: Rule r3's candidate policies, in the order ties are broken.

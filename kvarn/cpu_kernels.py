@@ -381,7 +381,7 @@ class TilePasses:
 
 def encode_tiles(k_tiles: torch.Tensor, v_tiles: torch.Tensor, config: KVarNConfig, parallel: bool = False):
     """Twin of :func:`kvarn.codec.encode_tiles` on CPU: rotated tiles ``k [..., D, G]``,
-    ``v [..., G, D]`` -> :class:`~kvarn.codec.TileFields`, the same bits (module docstring).
+    ``v [..., G, D]`` -> :class:`~kvarn.record.TileFields`, the same bits (module docstring).
     ``parallel``: as :class:`TilePasses`."""
     from .codec import encode_tiles as codec_encode_tiles
 

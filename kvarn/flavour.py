@@ -20,9 +20,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .codec import FIELD_ORDER, TileFields, _encode_one, decode_tiles, rotate_kv, tile_passes
+from .codec import _encode_one, decode_tiles, rotate_kv, tile_passes
 from .config import KVarNConfig
 from .hadamard import rotate
+from .record import FIELD_ORDER, TileFields
 
 FLAG_NAMES = ("key_rotate", "key_normalize", "value_rotate", "value_normalize")
 

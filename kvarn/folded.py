@@ -6,7 +6,7 @@ has two parts, both in the rotated frame (``k' = k @ H``):
 - full-precision keys/values ``[B, Hk, L, D]`` (the sink and the unfinished tail, in any order)
   with a validity mask ``[B, L]``;
 - packed tiles, ragged: ``T`` tiles in all, tile ``t`` (leading dims ``[T, Hk]`` of a
-  :class:`~kvarn.codec.TileFields`) belongs to sequence ``tile_row[t]``, so no sequence is padded
+  :class:`~kvarn.record.TileFields`) belongs to sequence ``tile_row[t]``, so no sequence is padded
   to the longest one.
 
 The full-precision part is one fused attention call (PyTorch's CPU flash attention, which also
@@ -42,9 +42,9 @@ import math
 
 import torch
 
-from .codec import TileFields
 from .config import KVarNConfig
 from .hadamard import rotate
+from .record import TileFields
 
 __all__ = ["folded_decode_attention", "unpack_centred", "scratch_buffer"]
 

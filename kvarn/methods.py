@@ -33,10 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import CODEC_KERNELS, TileFields, _encode_one, decode_tiles, rotate_kv, tile_passes, validate_kv
+from .codec import CODEC_KERNELS, _encode_one, decode_tiles, rotate_kv, tile_passes, validate_kv
 from .config import KVarNConfig
 from .flavour import Flavours, decode_flavoured, encode_flavoured
 from .hadamard import rotate
+from .record import TileFields
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 RECORD_METHODS = ("kvarn", "kvarn-auto")  # methods stored as the spec's padded records

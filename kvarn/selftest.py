@@ -34,9 +34,9 @@ import torch
 
 from .auto import POLICIES
 from .config import KVarNConfig
-from .codec import TileFields
 from .flavour import Flavours, decode_flavoured, option_index, select_options
 from .methods import TileCodec
+from .record import TileFields
 
 CHUNKS = 2  # self-test chunks of one tile each
 

@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from kvarn.auto import LOW_BIT_QUANTILE, TRIAL_TILES, AutoSettings, _error_sums, auto_ranges, decide, decide_row
-from kvarn.codec import FIELD_ORDER, encode_tiles, kv_to_tiles, numba_available, rotate_kv
+from kvarn.codec import encode_tiles, kv_to_tiles, numba_available, rotate_kv
 from kvarn.config import KVarNConfig
 from kvarn.flavour import (NAMED, OPTIONS, Flavours, decode_flavoured, encode_flavoured, option_index,
                            roundtrip_flavoured, roundtrip_options, select_options)
 from kvarn.methods import TileCodec
+from kvarn.record import FIELD_ORDER
 
 CFG = KVarNConfig(key_bits=2, value_bits=2, tile=32, sink_tokens=32)
 D = 64

@@ -18,7 +18,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
 
 from kvarn.cache import KVarNCache  # noqa: E402
-from kvarn.cache.model_cache import HF_METHODS  # noqa: E402
+from kvarn.cache.hf_baselines import HF_METHODS  # noqa: E402
 from kvarn.methods import METHODS  # noqa: E402
 
 PROMPT_LEN, NEW = 50, 40

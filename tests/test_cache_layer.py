@@ -238,7 +238,7 @@ def test_decoded_cache_reads_the_same_history(method):
 def test_store_keeps_no_reference_to_an_appended_batch(method):
     """The format template is one cloned tile: a long prefill's encoded tiles are not held twice."""
     from kvarn.cache.store import TileStore
-    from kvarn.codec import FIELD_ORDER
+    from kvarn.record import FIELD_ORDER
 
     cfg = KVarNConfig(tile=32)
     store = TileStore(TileCodec(method, cfg), batch=1, heads=2, head_dim=64, device=torch.device("cpu"))

@@ -5,7 +5,8 @@ import torch
 
 import kvarn
 from kvarn import KVarNConfig, PRESETS, dequantize_kv, quantize_kv
-from kvarn.codec import FIELD_ORDER, QuantizedKV
+from kvarn.codec import QuantizedKV
+from kvarn.record import FIELD_ORDER
 
 
 def sqnr_db(x, y):
@@ -56,7 +57,7 @@ def test_codes_and_scales_match_literal_spec(name):
     from kvarn.pack import unpack_codes
 
     hm = hadamard_matrix(64)
-    # Stored code matrices are the record's transposed (kvarn.codec docstring).
+    # Stored code matrices are the record's transposed (kvarn.record docstring).
     kq = unpack_codes(qkv.k_codes.transpose(-1, -2), cfg.key_bits)
     vq = unpack_codes(qkv.v_codes.transpose(-1, -2), cfg.value_bits)
     g = cfg.tile

@@ -11,9 +11,10 @@ pytest.importorskip("numba")
 
 from kvarn import KVarNConfig  # noqa: E402
 from kvarn import codec, cpu_kernels  # noqa: E402
-from kvarn.codec import FIELD_ORDER, rotate_kv  # noqa: E402
+from kvarn.codec import rotate_kv  # noqa: E402
 from kvarn.folded import unpack_centred  # noqa: E402
 from kvarn.normalize import Workspace  # noqa: E402
+from kvarn.record import FIELD_ORDER  # noqa: E402
 
 
 def _kv_tiles(seed, n, hk, d, g, spread=3.0):

@@ -8,10 +8,12 @@
 Needs transformers (imported when a model runs); matplotlib only for the plots.
 """
 
-from .drift import DriftRun, MethodDrift, MethodSpec, parse_specs, pseudo_decode
+from .drift import pseudo_decode
 from .errors import decompose_error
 from .freerun import FreeRun, free_run
 from .inputs import load_text, tokenize
+from .results import DriftRun, MethodDrift
+from .specs import MethodSpec, parse_specs
 from .study import run_drift
 
 __all__ = [

@@ -30,140 +30,19 @@ vs unrotated keys, correlation of log key variance with log query energy, per KV
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..auto import AutoSettings, auto_ranges, decide
+from ..auto import AutoSettings, decide
 from ..config import KVarNConfig
-from ..methods import METHODS, TileCodec, get_method
+from ..methods import TileCodec, get_method
 from .capture import (
     TileFreezer, attention_modules, drift_attention, freeze_cache, new_cache, observe, recompute_attention,
     sliding_layers,
 )
 from .errors import DecompositionAccumulator, kl_and_top1, mean_abs_error, relative_l2, token_nll
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """One method at one preset; ``key`` is ``"<method>:<preset>"``.
-
-    rule: kvarn-auto's decision rule, ``"<rule>"`` or ``"<rule>@<margin>"`` (:meth:`kvarn.auto.AutoSettings.parse`);
-    the default rule's key has no suffix, another rule's key is ``"kvarn-auto-<rule>:<preset>"``.
-    ranges: the rows' rounding ranges, one of :data:`RANGES`: None, the method's own (min/max, but
-    kvarn-auto's quantiles for 2-bit rows); ``"auto"``, kvarn-auto's (:func:`kvarn.auto.auto_ranges`)
-    for any method (key suffix ``+q``); ``"minmax"``, the spec's min/max for any method (``+minmax``).
-    """
-
-    method: str
-    preset: str
-    rule: str | None = None
-    ranges: str | None = None
-
-    def __post_init__(self) -> None:
-        get_method(self.method)
-        KVarNConfig.from_name(self.preset)
-        if self.rule is not None:
-            if self.method != "kvarn-auto":
-                raise ValueError(f"rule={self.rule!r} is only meaningful for method 'kvarn-auto', not {self.method!r}")
-            AutoSettings.parse(self.rule)
-        if self.ranges is not None and self.ranges not in RANGES:
-            raise ValueError(f"ranges={self.ranges!r}; choose None (the method's own) or one of {list(RANGES)}")
-
-    @property
-    def auto(self) -> AutoSettings | None:
-        if self.method != "kvarn-auto":
-            return None
-        return AutoSettings() if self.rule is None else AutoSettings.parse(self.rule)
-
-    @property
-    def key(self) -> str:
-        name = self.method
-        if self.rule is not None and self.auto != AutoSettings():
-            name += f"-{self.auto.name}"
-        if self.ranges is not None:
-            name += "+q" if self.ranges == "auto" else f"+{self.ranges}"
-        return f"{name}:{self.preset}"
-
-
-#: :attr:`MethodSpec.ranges` other than the method's own.
-RANGES = ("auto", "minmax")
-
-
-def parse_specs(methods: list[str] | None = None, presets: list[str] | None = None,
-                auto_rules: list[str] | None = None, ranges: list[str | None] | None = None) -> list[MethodSpec]:
-    """Every method x preset (defaults: all methods, presets k2v2_g128 and k4v2_g128); kvarn-auto once
-    per rule of ``auto_rules`` (default: its default rule); each once per entry of ``ranges``
-    (:attr:`MethodSpec.ranges`; default: the method's own only)."""
-    methods = list(METHODS) if not methods else methods
-    presets = ["k2v2_g128", "k4v2_g128"] if not presets else presets
-    out = []
-    for p in presets:
-        for m in methods:
-            rules = (auto_rules or [None]) if m == "kvarn-auto" else [None]
-            out += [MethodSpec(m, p, r, q) for r in rules for q in (ranges or [None])]
-    return out
-
-
-def method_config(spec: MethodSpec, sink_tokens: int | None = None, quantize_sliding_window: bool = False):
-    config = KVarNConfig.from_name(spec.preset, sink_tokens=sink_tokens, quantize_sliding_window=quantize_sliding_window)
-    if spec.ranges == "auto" or (spec.ranges is None and spec.method == "kvarn-auto"):
-        return auto_ranges(config)  # kvarn-auto's own (TileCodec resolves them too): one run for both keys
-    if spec.ranges == "minmax":
-        return replace(config, key_quantile=0.0, value_quantile=0.0)
-    return config
-
-
-def _dedup_key(spec: MethodSpec, config: KVarNConfig) -> tuple:
-    # fp16 and fp8 ignore the bit widths: run them once per tile/sink layout.
-    if get_method(spec.method).fmt in ("none", "fp8"):
-        return (spec.method, config.tile, config.sink_tokens, config.quantize_sliding_window)
-    return (spec.method, config, spec.auto)
-
-
-@dataclass
-class MethodDrift:
-    """Results of one method; per-layer lists are ``[layer][chunk]``."""
-
-    key: str
-    quantized_layers: list[int]
-    static_mae_layers: list[list[float]]
-    accumulated_mae_layers: list[list[float]]
-    static_k_rel_layers: list[list[float]]
-    static_v_rel_layers: list[list[float]]
-    accumulated_k_rel_layers: list[list[float]]
-    accumulated_v_rel_layers: list[list[float]]
-    kl: list[float]
-    top1_agreement: list[float]
-    nll_sum: float
-    nll_count: int
-    k_decomposition: dict[str, float]
-    v_decomposition: dict[str, float]
-    chunk_nll: list[float] = field(default_factory=list)  # NLL sum per chunk (count: DriftRun.chunk_targets)
-    decisions: dict[int, dict] | None = None  # kvarn-auto: layer -> RowDecision.summary() of row 0
-    auto_rule: str | None = None  # kvarn-auto: the decision rule's name (AutoSettings.name)
-    quantiles: tuple[float, float] | None = None  # integer methods: the rows' ranges (KVarNConfig.quantiles)
-
-    @property
-    def perplexity(self) -> float:
-        return math.exp(self.nll_sum / max(self.nll_count, 1))
-
-
-@dataclass
-class DriftRun:
-    """Everything :func:`pseudo_decode` measured."""
-
-    tokens: int
-    chunk: int
-    positions: list[int]
-    num_layers: int
-    sliding_layers: list[int]
-    fp_perplexity: float
-    methods: dict[str, MethodDrift] = field(default_factory=dict)
-    prefill: int = 0
-    chunk_targets: list[int] = field(default_factory=list)
-    fp_chunk_nll: list[float] = field(default_factory=list)
-    prompt_diagnostics: dict[str, dict[int, dict]] = field(default_factory=dict)  # preset -> layer -> summary
+from .results import DriftRun, MethodDrift
+from .specs import MethodSpec, _dedup_key, method_config
 
 
 class _MethodState:

@@ -23,8 +23,8 @@ from ..methods import TileCodec, get_method
 from .capture import (
     TileFreezer, attention_modules, drift_attention, freeze_cache, new_cache, observe, sliding_layers,
 )
-from .drift import MethodSpec, _dedup_key, method_config
 from .errors import kl_and_top1
+from .specs import MethodSpec, _dedup_key, method_config
 
 
 @dataclass

@@ -30,8 +30,8 @@ import json
 import math
 from pathlib import Path
 
-from .drift import DriftRun, MethodDrift
 from .freerun import FreeRun
+from .results import DriftRun, MethodDrift
 
 
 def _mean(xs) -> float:

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from .drift import MethodSpec, pseudo_decode
+from .drift import pseudo_decode
 from .freerun import free_run
 from .plots import write_plots
 from .report import build_report, summary_markdown, write_json
+from .specs import MethodSpec
 
 log = logging.getLogger(__name__)
 

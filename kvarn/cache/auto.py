@@ -29,8 +29,8 @@ import weakref
 import torch
 
 from ..auto import AutoSettings, LayerDecision, decide, fallback
-from ..codec import FIELD_ORDER, TileFields
 from ..methods import EncodedKV, TileCodec
+from ..record import FIELD_ORDER, TileFields
 from ..selftest import self_test_positions, self_test_tokens, settle
 from .layer import KVarNLayer
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..codec import TileFields
 from ..config import KVarNConfig
 from ..methods import TileCodec
+from ..record import TileFields
 from .store import TileStore, grown_capacity
 
 

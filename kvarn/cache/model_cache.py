@@ -3,7 +3,8 @@
 One layer object per decoder layer: a :class:`~kvarn.cache.layer.KVarNLayer` for full attention
 (and for sliding-window attention when ``quantize_sliding_window=True``), transformers' own
 ``DynamicSlidingWindowLayer`` (full precision) for sliding-window or chunked attention otherwise.
-Any other layer type (linear attention, mamba, conv, ...) raises ``ValueError``.
+Any other layer type (linear attention, mamba, conv, ...) raises ``ValueError``
+(:mod:`kvarn.cache.layer_types`).
 
 Left padding. Each row's sink and tiles start at its first real token, so pads never enter a tile or
 a scale. The cache learns the padding from the prefill's ``attention_mask``: pass it explicitly
@@ -28,15 +29,8 @@ Methods (``method=``; every one uses the same tiles, sink and tail, see :mod:`kv
   KVarN where a row's prompt is shorter than ``sink_tokens + tile``.
   :meth:`KVarNCache.flavours` and ``memory_report()["flavours"]`` report the choices.
 
-Two more baselines are transformers' own quantized cache layers (:data:`HF_METHODS`), not kvarn
-codecs: ``hf-quanto`` (``QuantoQuantizedLayer``, optimum-quanto) and ``hf-hqq`` (``HQQQuantizedLayer``,
-hqq). They keep transformers' policy, not kvarn's tiles: the prompt is quantized at prefill, new
-tokens go to a full-precision residual of ``tile`` tokens, and whenever it fills the whole cache is
-dequantized and quantized again; groups of 64 elements along axis 0, transformers' default (quanto:
-64 channels of one token, for K and V alike; hqq: strided groups, see :data:`HF_METHODS`); one bit
-width for K and V (``k2v2_*`` or ``k4v4_*``); no sink; pads quantized like tokens; sliding-window
-layers stay in full precision. ``decoded_cache`` is ignored. Memory counts their packed codes,
-scales and shifts/zeros as ``quantized_bytes`` and the residual as ``full_precision_bytes``.
+Two more baselines are transformers' own quantized cache layers, not kvarn codecs: ``hf-quanto``
+and ``hf-hqq`` (:mod:`kvarn.cache.hf_baselines`); ``decoded_cache`` is ignored for them.
 
 Memory. :meth:`KVarNCache.memory_report` counts what is stored: encoded tiles at their format's
 bytes (kvarn records padded to 8 bytes, docs/algorithm.md; methods without normalization store no
@@ -60,30 +54,15 @@ from ..auto import AutoSettings
 from ..config import KVarNConfig, check_head_dim
 from ..methods import METHODS, Method, TileCodec, get_method
 from .auto import KVarNAutoLayer, install_prompt_capture
+from .hf_baselines import HF_GROUP, HF_METHODS, _hf_layer_factory, _hf_memory
 from .layer import KVarNLayer, _memory, dtype_name
+from .layer_types import SLIDING_TYPES, _text_config, layer_types_of
 
 logger = logging.getLogger(__name__)
-
-FULL_TYPES = ("full_attention",)
-SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
 
 class _Padding:
     pads: list[int] | None = None
-
-
-HF_GROUP = 64  # q_group_size of transformers' quantized layers (its default)
-
-#: transformers' own quantized cache layers, as extra baselines; not kvarn codecs (no TileCodec).
-HF_METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("hf-quanto", False, False, False, "int",
-           "transformers QuantizedCache with optimum-quanto (per-token K and V in groups of 64 channels, "
-           "quanto axis 0; re-quantizes the whole cache whenever its fp residual of `tile` tokens fills; no sink)"),
-    Method("hf-hqq", False, False, False, "int",
-           "transformers QuantizedCache with HQQ (axis 0 as transformers uses it: the flattened K or V is "
-           "viewed as [64, -1], so each group takes 64 elements strided numel/64 apart; HQQ-optimized "
-           "zero/scale; re-quantizes the whole cache whenever its fp residual of `tile` tokens fills; no sink)"),
-)}
 
 
 def _get_any_method(name) -> Method:
@@ -95,107 +74,6 @@ def _get_any_method(name) -> Method:
         raise ValueError(f"unknown method {name!r}; valid kvarn methods: {sorted(METHODS)}; "
                          f"transformers baselines: {sorted(HF_METHODS)}")
     return get_method(name)
-
-
-def _hf_layer_factory(method: Method, config: KVarNConfig):
-    """A no-argument constructor of the transformers quantized layer for ``method``."""
-    if config.key_bits != config.value_bits:
-        raise ValueError(
-            f"method {method.name!r} uses one bit width for K and V, but preset {config.name!r} has "
-            f"key_bits={config.key_bits}, value_bits={config.value_bits}; use a k2v2_* or k4v4_* preset"
-        )
-    if config.quantize_sliding_window:
-        raise ValueError(f"method {method.name!r} cannot quantize sliding-window layers "
-                         "(transformers' quantized layers are full-attention only)")
-    from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
-
-    # axis 0 for both, transformers' default. quanto: rows of 64 contiguous elements, i.e. 64 channels of
-    # one token. hqq: a [64, -1] view (strided groups); its axis 1 (contiguous groups) packs along the
-    # group count and fails when that is not a multiple of 8 / nbits, so it is not usable here.
-    cls = QuantoQuantizedLayer if method.name == "hf-quanto" else HQQQuantizedLayer
-    kw = dict(nbits=config.key_bits, axis_key=0, axis_value=0, q_group_size=HF_GROUP,
-              residual_length=config.tile)
-    cls(**kw)  # fail now (missing backend, unsupported bits), not at the first forward
-    return lambda: cls(**kw)
-
-
-def _hf_memory(layer: QuantizedLayer) -> dict:
-    """Stored bytes of a transformers quantized layer: packed codes + scales/shifts, fp residual."""
-    if not layer.is_initialized:
-        return _memory(0, 0, 0, 0, 0)
-    qbytes = elements = 0
-    rows = 0
-    for q in (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)):
-        if q is None:
-            continue
-        if isinstance(q, tuple):  # hqq: (packed uint8 codes, meta with scale and zero)
-            codes, meta = q
-            qbytes += _nbytes(codes) + _nbytes(meta.get("scale")) + _nbytes(meta.get("zero"))
-            shape = meta["shape"]
-        else:  # quanto WeightQBitsTensor: _data (PackedTensor of uint8), _scale, _shift
-            data = q._data
-            qbytes += _nbytes(getattr(data, "_data", data)) + _nbytes(q._scale) + _nbytes(q._shift)
-            shape = q.shape
-        elements += _numel(shape)
-        rows = shape[0] * shape[2]
-    fp_bytes = 0
-    for t in (layer.keys, layer.values):
-        if isinstance(t, torch.Tensor) and t.dim() == 4:
-            fp_bytes += _nbytes(t)
-            elements += t.numel()
-    dtype = layer.keys.dtype if isinstance(layer.keys, torch.Tensor) else torch.float16
-    if isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4:
-        rows += layer.keys.shape[0] * layer.keys.shape[2]
-    return _memory(qbytes, fp_bytes, rows, elements * 2, qbytes + fp_bytes,
-                   baseline_bytes=elements * dtype.itemsize, baseline_dtype=dtype_name(dtype))
-
-
-def _nbytes(t) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _text_config(model_or_config):
-    config = getattr(model_or_config, "config", model_or_config)
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config(decoder=True)
-    return config
-
-
-def layer_types_of(config) -> list[tuple[str, int | None]]:
-    """``[(layer_type, sliding_window or None)]`` per cached layer; ValueError for unsupported types."""
-    n = getattr(config, "num_hidden_layers", None)
-    types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if types is None:
-        if n is None:
-            raise ValueError("the model config has neither layer_types nor num_hidden_layers")
-        use_window = window is not None and getattr(config, "use_sliding_window", True)
-        chunk = getattr(config, "attention_chunk_size", None)
-        kind = "sliding_attention" if use_window else "chunked_attention" if chunk else "full_attention"
-        types = [kind] * n
-    shared = getattr(config, "num_kv_shared_layers", None) or 0
-    if shared:
-        types = types[:-shared]
-    out = []
-    for i, kind in enumerate(types):
-        if kind in FULL_TYPES:
-            out.append((kind, None))
-        elif kind in SLIDING_TYPES:
-            w = window if kind == "sliding_attention" else getattr(config, "attention_chunk_size", None)
-            out.append((kind, w))
-        else:
-            raise ValueError(
-                f"layer {i} has type {kind!r}, which KVarNCache does not support: it caches only softmax "
-                f"attention layers with a K/V cache ({', '.join(FULL_TYPES + SLIDING_TYPES)})"
-            )
-    return out
 
 
 def pads_from_mask(attention_mask: torch.Tensor) -> list[int]:
@@ -219,8 +97,9 @@ class KVarNCache(Cache):
     model_or_config: a transformers model or its config (layer types, sliding windows), or None
         (layers created lazily, all full attention).
     method: one of :data:`kvarn.methods.METHODS` (``fp16``, ``kvarn``, ``kivi``, ``rtn``, ``quarot``,
-        ``hkivi``, ``varn``, ``fp8``) or of :data:`HF_METHODS` (``hf-quanto``, ``hf-hqq``: transformers'
-        quantized layers; one bit width for K and V, no sink, ``decoded_cache`` ignored).
+        ``hkivi``, ``varn``, ``fp8``) or of :data:`~kvarn.cache.hf_baselines.HF_METHODS` (``hf-quanto``,
+        ``hf-hqq``: transformers' quantized layers; one bit width for K and V, no sink, ``decoded_cache``
+        ignored).
     preset: a preset name of :data:`kvarn.PRESETS` or a :class:`KVarNConfig`.
     attention_mask: the prefill's ``[B, L]`` mask, for left padding (else read from the model's call).
     decoded_cache: keep each frozen tile's dequantized float32 K/V (a working copy of the reference
@@ -428,4 +307,4 @@ def _make_config(preset, overrides) -> KVarNConfig:
     return KVarNConfig.from_name(preset, **overrides)
 
 
-__all__ = ["HF_METHODS", "KVarNCache", "layer_types_of", "pads_from_mask"]
+__all__ = ["KVarNCache", "pads_from_mask"]

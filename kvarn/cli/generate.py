@@ -16,7 +16,7 @@ import json
 import sys
 
 
-# transformers' quantized caches (kvarn.cache.model_cache.HF_METHODS), named here so that building the
+# transformers' quantized caches (kvarn.cache.hf_baselines.HF_METHODS), named here so that building the
 # parser does not import transformers; tests/test_cache_hf_baselines.py checks the two agree.
 HF_BASELINES = ("hf-hqq", "hf-quanto")
 

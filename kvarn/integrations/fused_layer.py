@@ -21,8 +21,8 @@ import torch
 
 from ..cache import KVarNLayer
 from ..cache.auto import KVarNAutoLayer
-from ..codec import TileFields, record_layout
 from ..methods import TileCodec
+from ..record import TileFields, record_layout
 
 
 class FusedKVarNLayer(KVarNLayer):

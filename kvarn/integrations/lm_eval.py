@@ -33,7 +33,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from ..cache import KVarNCache
-from ..cache.model_cache import HF_METHODS
+from ..cache.hf_baselines import HF_METHODS
 from ..methods import METHODS
 
 logger = logging.getLogger(__name__)

@@ -11,9 +11,10 @@ import contextlib
 
 import torch
 
-from ..codec import FP16_MAX, TileFields, check_encoded
+from ..codec import FP16_MAX, check_encoded
 from ..flavour import Flavours
 from ..methods import EncodedKV, TileCodec
+from ..record import TileFields
 
 
 class TritonTileCodec(TileCodec):

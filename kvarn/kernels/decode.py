@@ -52,8 +52,8 @@ import triton
 import triton.language as tl
 
 from ..attention import check_decode_inputs, head_flags
-from ..codec import FIELD_ORDER, TileFields
 from ..config import KVarNConfig
+from ..record import FIELD_ORDER, TileFields
 from .decode_blocks import fp_block, fp_result, hilo, merge_range, store_output, store_partial, tile_load, tile_step
 from .hadamard import hadamard_rows
 from .layout import check_device, check_launch_knobs, empty_fields, interpreting, lead_strides, num_sms

@@ -3,7 +3,7 @@
 Twin of :func:`kvarn.codec.encode_tiles`. One program per (tile, K or V): the whole tile ``X [R, C]``
 stays in registers through the T iterations of the dual-axis normalization (spec section 2; best
 iterate per tile, identity included, ties to the later iterate), then rows are rounded to nearest
-even (spec section 3), packed low bits first (spec section 4; code matrices stored transposed, as :mod:`kvarn.codec`
+even (spec section 3), packed low bits first (spec section 4; code matrices stored transposed, as :mod:`kvarn.record`
 says) and the fp16 fields are stored.
 
 The tiles come in rotated, or in the model frame (``rotate``): then the kernel rotates each token
@@ -29,11 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codec import TileFields
 from ..config import KVarNConfig
 from ..quantize import quantile_ranks
-from .hadamard import hadamard_rows
+from ..record import TileFields
 from .encode_tile import _encode_one
+from .hadamard import hadamard_rows
 from .layout import (check_device, check_fields, check_launch_knobs, empty_fields, interpreting, lead_strides,
                      num_sms)
 

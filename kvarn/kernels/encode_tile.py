@@ -234,7 +234,7 @@ def _encode_one(
     else:
         packed = _pack(q, BITS, P)
     pcols = tl.arange(0, CB)
-    # Stored transposed, [C / P, R] (the code byte order of kvarn.codec).
+    # Stored transposed, [C / P, R] (the code byte order of kvarn.record).
     tl.store(codes_ptr + codes_off + pcols[None, :] * R + rows[:, None], packed.to(tl.uint8))
     rs = (row_scale * step).to(tl.float16)
     rz = (row_scale * lo).to(tl.float16)

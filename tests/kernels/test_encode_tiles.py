@@ -11,11 +11,11 @@ K tiles at D 64, each 1 fp32 ulp of the score above the best).
 import pytest
 import torch
 
-from kvarn.codec import FIELD_ORDER, TileFields, _encode_one, encode_tiles as torch_encode
-from kvarn.codec import fields_to_records
+from kvarn.codec import _encode_one, encode_tiles as torch_encode
 from kvarn.config import KVarNConfig
 from kvarn.normalize import _apply, normalize_iterates
 from kvarn.pack import unpack_codes
+from kvarn.record import FIELD_ORDER, TileFields, fields_to_records
 
 from kernel_data import rotated_tiles, synthetic_kv
 from kernel_data import HAS_CUDA

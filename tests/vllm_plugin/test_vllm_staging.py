@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from kvarn.codec import FIELD_ORDER, fields_to_records, record_field_views
 from kvarn.config import PRESETS
 from kvarn.integrations.vllm.settings import is_requested, kv_cache_dtype_names, settings_from_vllm_config
 from kvarn.codec import rotate_kv
 from kvarn.integrations.vllm.plan import build_plan, commit_chunks, decode_groups, prefill_groups
 from kvarn.integrations.vllm.staging import StagingIndex, encode_records, staging_bytes, staging_slots
 from kvarn.methods import TileCodec
+from kvarn.record import FIELD_ORDER, fields_to_records, record_field_views
 
 CFG = PRESETS["k4v2_g128"]
 HK, D, G = 3, 64, CFG.tile

@@ -16,10 +16,10 @@ import torch
 
 from kvarn import models
 from kvarn.analysis.capture import drift_attention
-from kvarn.analysis.drift import MethodSpec, _dedup_key, method_config
 from kvarn.analysis.errors import kl_and_top1
 from kvarn.analysis.freerun import _freezer, teacher_forced_logits
 from kvarn.analysis.report import summary_markdown
+from kvarn.analysis.specs import MethodSpec, _dedup_key, method_config
 
 
 @torch.inference_mode()

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 
 def _kvarn_impls(vllm_config):
-    from .backend import KVarNAttentionImpl
+    from .impl import KVarNAttentionImpl
 
     layers = vllm_config.compilation_config.static_forward_context
     for layer in layers.values():

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from ...codec import check_encoded, encode_tiles, store_records
+from ...codec import check_encoded, encode_tiles
 from ...config import KVarNConfig
+from ...record import store_records
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -59,7 +60,7 @@ def staging_bytes(slots: int, config: KVarNConfig, num_kv_heads: int, head_dim: 
 
 def encode_records(k: torch.Tensor, v: torch.Tensor, config: KVarNConfig, kernels: str = "torch") -> torch.Tensor:
     """Full rotated tiles ``[n, G, Hk, D]`` (staging layout) -> uint8 records ``[n, Hk, record_bytes]``
-    in the tile store's order (the backend reads pages with :func:`kvarn.codec.record_field_views`).
+    in the tile store's order (the backend reads pages with :func:`kvarn.record.record_field_views`).
     ``kernels``: ``"torch"`` (the codec), ``"numba"`` (:mod:`kvarn.cpu_kernels`, the same bits) or
     ``"triton"``."""
     d = k.shape[-1]
