@@ -27,7 +27,10 @@ from triton.testing import do_bench_cudagraph
 
 from kvarn import kernels
 from kvarn.config import KVarNConfig
-from kvarn.kernels.decode import plan_splits
+try:
+    from kvarn.kernels.decode_plan import plan_splits
+except ImportError:  # a tree from before decode_plan.py (bench_decode_tail.py times other trees)
+    from kvarn.kernels.decode import plan_splits
 from kvarn.kernels.layout import empty_fields
 
 SHAPES = {"llama8b_d128": (32, 8, 128), "d64": (32, 8, 64), "d256": (16, 8, 256)}

@@ -23,7 +23,10 @@ import torch
 from bench_decode_attention import bench, cycling, random_fields
 from kvarn import kernels
 from kvarn.config import KVarNConfig
-from kvarn.kernels.decode import WIDE_BATCH, plan_splits
+try:
+    from kvarn.kernels.decode_plan import WIDE_BATCH, plan_splits
+except ImportError:  # a tree from before decode_plan.py (the script times other trees too)
+    from kvarn.kernels.decode import WIDE_BATCH, plan_splits
 
 HQ, HK, D, SINK = 32, 8, 128, 128  # Llama-3.1-8B's attention
 

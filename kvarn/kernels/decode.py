@@ -7,14 +7,15 @@ all ``M = GROUP * Tq`` query rows of the KV head. Every program writes ``(m, l, 
 two-level tree merges them in the same launch (atomic counters): the last program of each group
 of MERGE_GROUP splits to finish merges its group, the last group merges the groups, and the
 result is un-rotated. The rotations of the query (every program) and of the merged output are
-done in registers (:func:`hadamard.hadamard_rows`: two 16-wide MMAs over the Kronecker
-factors of H), so no program reads H. At batch 1 the merge is the serial tail of the launch; the
-tree keeps it short enough that many short splits pay (launch_plan). A tile's fields are loaded together
-(:func:`decode_blocks.tile_load`); with ``num_stages`` >= 2 Triton's pipeline copies tile n+1's
-fields to shared memory while tile n is computed, so the loop does not wait on memory. The sink
-and tail programs use 32-token K and V blocks as stored (:func:`decode_blocks.fp_block`) in two
-loops that end at the sink's and the tail's lengths, pipelined the same way.
-:func:`launch_plan` picks warps, register cap, stages and waves.
+done in registers (:func:`hadamard.hadamard_rows`: two 16-wide MMAs over the Kronecker factors of
+H), so no program reads H. At batch 1 the merge is the serial tail of the launch; the tree keeps it
+short enough that many short splits pay (:mod:`~kvarn.kernels.decode_plan`). A tile's fields are
+loaded together (:func:`decode_blocks.tile_load`); with ``num_stages`` >= 2 Triton's pipeline
+copies tile n+1's fields to shared memory while tile n is computed, so the loop does not wait on
+memory. The sink and tail programs use 32-token K and V blocks as stored
+(:func:`decode_blocks.fp_block`) in two loops that end at the sink's and the tail's lengths,
+pipelined the same way. :func:`~kvarn.kernels.decode_plan.launch_plan` picks warps, register cap,
+stages and waves.
 
 Orientation: both products are transposed, so the packed codes are the left (register) operand
 and the small side is the query rows. With the scales folded (spec section 5):
@@ -56,34 +57,10 @@ from ..config import KVarNConfig
 from ..record import FIELD_ORDER, TileFields
 from .decode_blocks import fp_block, fp_result, hilo, merge_range, store_output, store_partial, tile_load, tile_step
 from .hadamard import hadamard_rows
-from .layout import check_device, check_launch_knobs, empty_fields, interpreting, lead_strides, num_sms
+from .decode_plan import BLOCK_N, MERGE_GROUP, launch_plan, merge_counters, plan_splits
+from .layout import check_device, check_launch_knobs, empty_fields, interpreting, lead_strides
 
 LOG2E = 1.4426950408889634
-BLOCK_N = tl.constexpr(32)  # full-precision tokens per step
-PROGRAMS_PER_SM = 8  # resident programs per multiprocessor (1 warp at ~250 registers, 2 at 128)
-MIN_TILES_PER_SPLIT = 2
-MAX_SPLITS = 128
-WIDE_BATCH = 64  # (sequence, KV head) pairs from which one-warp programs fill the machine
-MERGE_GROUP = tl.constexpr(8)  # splits merged by the first level of the merge tree
-
-
-def launch_plan(batch_heads: int, d: int, m: int) -> tuple[int, int | None, int, int]:
-    """(num_warps, register cap, num_stages, waves) by default, from the H200 sweep
-    (``bench_decode_attention.py --sweep``, BENCHMARKS.md).
-
-    D <= 128 and up to 4 query rows per KV head: one warp per program, uncapped (about 250
-    registers, no spills, no cross-warp barriers); one wave at many (sequence, head) pairs, two
-    waves of splits below that (batch 1), where the merge tree keeps the many short splits cheap
-    (B 1 / 16K: 17.7 µs against 19.4 µs for two warps at 168 registers with half the splits).
-    D 256, or 8 query rows per KV head (swept at 4 only): two warps uncapped (no spills; one warp
-    would spill at 8 rows, as ptxas reports). More than 8 query rows: four warps.
-    """
-    if m > 8:
-        return 4, None, 2, 2
-    if d > 128 or m > 4:
-        return 2, None, 2, 2
-    waves = 1 if batch_heads >= WIDE_BATCH else 2
-    return 1, None, 2, waves
 
 
 @triton.jit
@@ -220,41 +197,6 @@ def _decode_attention_kernel(
                     store_output(o_ptr, o_sb, o_sh, o_st, b64, l_t, acc, row_ok, qi, qh, D)
 
 
-_COUNTERS: dict = {}
-
-
-def _counters(n: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 counters (per (sequence, head): one per merge group and one for the groups); each
-    launch leaves them zero again."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"decode_attention: call once with {n} (sequence, head) pairs before graph capture")
-        buf = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
-
-
-def plan_splits(batch_heads: int, n_tiles: int, fp_tokens: int, device: torch.device,
-                waves: int = 2) -> tuple[int, int]:
-    """(tile splits, fp splits) per (sequence, head).
-
-    ``waves`` (1 or 2) waves of PROGRAMS_PER_SM programs per multiprocessor (two measured faster at
-    few (sequence, head) pairs on the H200: a program's prologue overlaps another's tiles), at least
-    MIN_TILES_PER_SPLIT tiles per split and at most MAX_SPLITS splits: the merge tree takes
-    MAX_SPLITS partials in two short levels (groups of MERGE_GROUP, then 16 group results), and
-    shorter splits would cost their fixed part (query rotation, prologue) for less than 2 tiles.
-    The fp region is split when the tiles alone leave room (at B x Hk >= 64 one fp program per
-    pair; two with one tile split fewer measured slower, BENCHMARKS.md table 1, session 20).
-    """
-    full = PROGRAMS_PER_SM * num_sms(device)
-    want = max(1, -(-2 * full // batch_heads) if waves == 2 else full // batch_heads)
-    tile_splits = max(1, min(want, -(-n_tiles // MIN_TILES_PER_SPLIT), MAX_SPLITS)) if n_tiles else 0
-    fp_blocks = -(-fp_tokens // BLOCK_N)
-    fp_splits = min(fp_blocks, max(1, want // 32)) if fp_blocks else 0
-    return tile_splits, fp_splits
-
-
 def _lengths(x, placeholder, device):
     """Per-sequence lengths as int32 on the device; ``placeholder`` (never read) when None."""
     return placeholder if x is None else x.to(device=device, dtype=torch.int32)
@@ -291,7 +233,7 @@ def decode_attention(
     over the sink and tail), both planned from the batch and the SM count by default;
     ``num_warps``, ``max_registers`` per thread and ``num_stages`` (Triton's software pipeline over
     the tile loop: with 2 or more, tile n+1's fields are copied to shared memory asynchronously
-    while tile n is computed), chosen by :func:`launch_plan` by default (an explicit ``num_warps``
+    while tile n is computed), chosen by :func:`~kvarn.kernels.decode_plan.launch_plan` by default (an explicit ``num_warps``
     means two waves of programs and no register cap unless ``max_registers`` is given). Lengths
     left as None are the capacities, passed as scalars (no device tensor is made). With ``causal`` and
     Tq > 1 the tail length precondition (R >= Tq) is the caller's: it is not checked on the device,
@@ -357,7 +299,7 @@ def decode_attention(
     groups = -(-ns // MERGE_GROUP.value)
     gacc = torch.empty(b * hk * groups * m * d, dtype=torch.float32, device=dev)
     gml = torch.empty(b * hk * groups * m * 2, dtype=torch.float32, device=dev)
-    counts = _counters(b * hk * (1 + groups), dev)
+    counts = merge_counters(b * hk * (1 + groups), dev)
     flags = krot if krot is not None else counts
     opts = {} if interpreting() or regs is None else {"maxnreg": int(regs)}
     _decode_attention_kernel[(b * hk, ns)](
