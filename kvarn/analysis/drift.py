@@ -42,7 +42,7 @@ from .capture import (
 )
 from .errors import DecompositionAccumulator, kl_and_top1, mean_abs_error, relative_l2, token_nll
 from .results import DriftRun, MethodDrift
-from .specs import MethodSpec, _dedup_key, method_config
+from .specs import MethodSpec, dedup_key, method_config
 
 
 class _MethodState:
@@ -138,7 +138,7 @@ def pseudo_decode(
     states: dict[tuple, _MethodState] = {}
     owner: dict[str, tuple] = {}
     for spec, cfg in zip(specs, configs):
-        dk = _dedup_key(spec, cfg)
+        dk = dedup_key(spec, cfg)
         owner[spec.key] = dk
         if dk not in states:
             q = all_layers if cfg.quantize_sliding_window else all_layers - sliding

@@ -24,7 +24,7 @@ from .capture import (
     TileFreezer, attention_modules, drift_attention, freeze_cache, new_cache, observe, sliding_layers,
 )
 from .errors import kl_and_top1
-from .specs import MethodSpec, _dedup_key, method_config
+from .specs import MethodSpec, dedup_key, method_config
 
 
 @dataclass
@@ -134,7 +134,7 @@ def free_run(
         raise ValueError(f"n_tokens={n_tokens!r} must be >= 1")
     unique: dict[tuple, MethodSpec] = {}
     for spec in specs:
-        unique.setdefault(_dedup_key(spec, method_config(spec, sink_tokens, quantize_sliding_window)), spec)
+        unique.setdefault(dedup_key(spec, method_config(spec, sink_tokens, quantize_sliding_window)), spec)
     tile = method_config(specs[0], sink_tokens, quantize_sliding_window).tile
     fp_spec = MethodSpec("fp16", specs[0].preset)
     bar = tqdm(total=n_tokens * (1 + len(unique)), desc="free-run", unit="tok", disable=not progress)
@@ -160,6 +160,6 @@ def free_run(
     bar.close()
     out = {}
     for spec in specs:
-        r = results[_dedup_key(spec, method_config(spec, sink_tokens, quantize_sliding_window))]
+        r = results[dedup_key(spec, method_config(spec, sink_tokens, quantize_sliding_window))]
         out[spec.key] = FreeRun(spec.key, r.tokens, r.first_divergence, r.agreement, r.kl, r.top1_agreement)
     return ref, out

@@ -3,7 +3,7 @@
 A :class:`MethodSpec` is one method of :data:`kvarn.methods.METHODS` at one preset of
 :data:`kvarn.PRESETS`, optionally with kvarn-auto's decision rule and with rounding ranges other than
 the method's own (:data:`RANGES`). :func:`method_config` turns it into the :class:`KVarNConfig` it
-runs with; specs whose runs would be identical share one (:func:`_dedup_key`: fp16 and fp8 ignore
+runs with; specs whose runs would be identical share one (:func:`dedup_key`: fp16 and fp8 ignore
 the bit widths).
 """
 
@@ -86,11 +86,11 @@ def method_config(spec: MethodSpec, sink_tokens: int | None = None, quantize_sli
     return config
 
 
-def _dedup_key(spec: MethodSpec, config: KVarNConfig) -> tuple:
+def dedup_key(spec: MethodSpec, config: KVarNConfig) -> tuple:
     # fp16 and fp8 ignore the bit widths: run them once per tile/sink layout.
     if get_method(spec.method).fmt in ("none", "fp8"):
         return (spec.method, config.tile, config.sink_tokens, config.quantize_sliding_window)
     return (spec.method, config, spec.auto)
 
 
-__all__ = ["RANGES", "MethodSpec", "method_config", "parse_specs"]
+__all__ = ["RANGES", "MethodSpec", "dedup_key", "method_config", "parse_specs"]

@@ -7,7 +7,7 @@ whenever it fills the whole cache is dequantized and quantized again; groups of 
 elements along axis 0, transformers' default (quanto: 64 channels of one token, for K and V alike;
 hqq: the flattened K or V viewed as ``[64, -1]``, so each group takes 64 elements strided
 ``numel / 64`` apart); one bit width for K and V (``k2v2_*`` or ``k4v4_*``); no sink; pads quantized
-like tokens; sliding-window layers stay in full precision. Memory (:func:`_hf_memory`) counts their
+like tokens; sliding-window layers stay in full precision. Memory (:func:`hf_memory`) counts their
 packed codes, scales and shifts/zeros as ``quantized_bytes`` and the residual as
 ``full_precision_bytes``.
 """
@@ -35,7 +35,7 @@ HF_METHODS: dict[str, Method] = {m.name: m for m in (
 )}
 
 
-def _hf_layer_factory(method: Method, config: KVarNConfig):
+def hf_layer_factory(method: Method, config: KVarNConfig):
     """A no-argument constructor of the transformers quantized layer for ``method``."""
     if config.key_bits != config.value_bits:
         raise ValueError(
@@ -57,7 +57,7 @@ def _hf_layer_factory(method: Method, config: KVarNConfig):
     return lambda: cls(**kw)
 
 
-def _hf_memory(layer: QuantizedLayer) -> dict:
+def hf_memory(layer: QuantizedLayer) -> dict:
     """Stored bytes of a transformers quantized layer: packed codes + scales/shifts, fp residual."""
     if not layer.is_initialized:
         return _memory(0, 0, 0, 0, 0)
@@ -99,4 +99,4 @@ def _numel(shape) -> int:
     return n
 
 
-__all__ = ["HF_GROUP", "HF_METHODS"]
+__all__ = ["HF_GROUP", "HF_METHODS", "hf_layer_factory", "hf_memory"]

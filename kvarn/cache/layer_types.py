@@ -13,7 +13,7 @@ FULL_TYPES = ("full_attention",)
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
 
-def _text_config(model_or_config):
+def text_config(model_or_config):
     config = getattr(model_or_config, "config", model_or_config)
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
@@ -50,4 +50,4 @@ def layer_types_of(config) -> list[tuple[str, int | None]]:
     return out
 
 
-__all__ = ["FULL_TYPES", "SLIDING_TYPES", "layer_types_of"]
+__all__ = ["FULL_TYPES", "SLIDING_TYPES", "layer_types_of", "text_config"]

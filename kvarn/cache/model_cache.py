@@ -54,9 +54,9 @@ from ..auto import AutoSettings
 from ..config import KVarNConfig, check_head_dim
 from ..methods import METHODS, Method, TileCodec, get_method
 from .auto import KVarNAutoLayer, install_prompt_capture
-from .hf_baselines import HF_GROUP, HF_METHODS, _hf_layer_factory, _hf_memory
+from .hf_baselines import HF_GROUP, HF_METHODS, hf_layer_factory, hf_memory
 from .layer import KVarNLayer, _memory, dtype_name
-from .layer_types import SLIDING_TYPES, _text_config, layer_types_of
+from .layer_types import SLIDING_TYPES, layer_types_of, text_config
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class KVarNCache(Cache):
             super().__init__(layer_class_to_replicate=lambda: layer_cls(self.codec, self._padding,
                                                                          decoded_cache=decoded_cache))
             return
-        text = _text_config(model_or_config)
+        text = text_config(model_or_config)
         layers = []
         for kind, window in layer_types_of(text):
             if kind in SLIDING_TYPES and not self.config.quantize_sliding_window:
@@ -176,11 +176,11 @@ class KVarNCache(Cache):
         self.codec = None
         if attention_mask is not None:  # validated; pads are quantized like tokens, as in transformers
             self._padding.pads = pads_from_mask(attention_mask)
-        make = _hf_layer_factory(self.method, self.config)
+        make = hf_layer_factory(self.method, self.config)
         if model_or_config is None:
             super().__init__(layer_class_to_replicate=make)
             return
-        text = _text_config(model_or_config)
+        text = text_config(model_or_config)
         layers = [DynamicSlidingWindowLayer(sliding_window=window) if kind in SLIDING_TYPES else make()
                   for kind, window in layer_types_of(text)]
         head_dim = getattr(text, "head_dim", None)
@@ -268,7 +268,7 @@ class KVarNCache(Cache):
                 entry = layer.memory()
                 kind = "quantized"
             elif isinstance(layer, QuantizedLayer):
-                entry = _hf_memory(layer)
+                entry = hf_memory(layer)
                 kind = "quantized_hf"
             else:
                 keys = getattr(layer, "keys", None)

@@ -7,8 +7,8 @@ all ``M = GROUP * Tq`` query rows of the KV head. Every program writes ``(m, l, 
 two-level tree merges them in the same launch (atomic counters): the last program of each group
 of MERGE_GROUP splits to finish merges its group, the last group merges the groups, and the
 result is un-rotated. The rotations of the query (every program) and of the merged output are
-done in registers (:func:`hadamard.hadamard_rows`: two 16-wide MMAs over the Kronecker factors of
-H), so no program reads H. At batch 1 the merge is the serial tail of the launch; the tree keeps it
+done in registers (:func:`~kvarn.kernels.hadamard.hadamard_rows`: two 16-wide MMAs over the
+Kronecker factors of H), so no program reads H. At batch 1 the merge is the serial tail of the launch; the tree keeps it
 short enough that many short splits pay (:mod:`~kvarn.kernels.decode_plan`). A tile's fields are
 loaded together (:func:`decode_blocks.tile_load`); with ``num_stages`` >= 2 Triton's pipeline
 copies tile n+1's fields to shared memory while tile n is computed, so the loop does not wait on
@@ -56,8 +56,8 @@ from ..attention import check_decode_inputs, head_flags
 from ..config import KVarNConfig
 from ..record import FIELD_ORDER, TileFields
 from .decode_blocks import fp_block, fp_result, hilo, merge_range, store_output, store_partial, tile_load, tile_step
-from .hadamard import hadamard_rows
 from .decode_plan import BLOCK_N, MERGE_GROUP, launch_plan, merge_counters, plan_splits
+from .hadamard import hadamard_rows
 from .layout import check_device, check_launch_knobs, empty_fields, interpreting, lead_strides
 
 LOG2E = 1.4426950408889634
@@ -233,8 +233,9 @@ def decode_attention(
     over the sink and tail), both planned from the batch and the SM count by default;
     ``num_warps``, ``max_registers`` per thread and ``num_stages`` (Triton's software pipeline over
     the tile loop: with 2 or more, tile n+1's fields are copied to shared memory asynchronously
-    while tile n is computed), chosen by :func:`~kvarn.kernels.decode_plan.launch_plan` by default (an explicit ``num_warps``
-    means two waves of programs and no register cap unless ``max_registers`` is given). Lengths
+    while tile n is computed), chosen by :func:`~kvarn.kernels.decode_plan.launch_plan` by default
+    (an explicit ``num_warps`` means two waves of programs and no register cap unless
+    ``max_registers`` is given). Lengths
     left as None are the capacities, passed as scalars (no device tensor is made). With ``causal`` and
     Tq > 1 the tail length precondition (R >= Tq) is the caller's: it is not checked on the device,
     to avoid a host synchronization.

@@ -63,7 +63,7 @@ def plan_splits(batch_heads: int, n_tiles: int, fp_tokens: int, device: torch.de
     MAX_SPLITS partials in two short levels (groups of MERGE_GROUP, then 16 group results), and
     shorter splits would cost their fixed part (query rotation, prologue) for less than 2 tiles.
     The fp region is split when the tiles alone leave room (at B x Hk >= 64 one fp program per
-    pair; two with one tile split fewer measured slower, BENCHMARKS.md table 1, session 20).
+    pair; two with one tile split fewer measured slower, BENCHMARKS.md table 1).
     """
     full = PROGRAMS_PER_SM * num_sms(device)
     want = max(1, -(-2 * full // batch_heads) if waves == 2 else full // batch_heads)

@@ -32,7 +32,7 @@ import triton.language as tl
 from ..config import KVarNConfig
 from ..quantize import quantile_ranks
 from ..record import TileFields
-from .encode_tile import _encode_one
+from .encode_tile import encode_one
 from .hadamard import hadamard_rows
 from .layout import (check_device, check_fields, check_launch_knobs, empty_fields, interpreting, lead_strides,
                      num_sms)
@@ -121,7 +121,7 @@ def _encode_tiles_kernel(
                 xk = tl.trans(_frame_rows(_load_tile(k_ptr, off, k_sc, k_sr, G, D), rot, D, inv_sqrt_d))
             else:
                 xk = _load_tile(k_ptr, off, k_sr, k_sc, D, G).to(tl.float32)
-            _encode_one(
+            encode_one(
                 xk,
                 kc_ptr, _field_offset(i0, i1, o2, kc_s0, kc_s1, kc_s2),
                 ks_ptr, _field_offset(i0, i1, o2, ks_s0, ks_s1, ks_s2),
@@ -135,7 +135,7 @@ def _encode_tiles_kernel(
                 xv = _frame_rows(raw, rot, D, inv_sqrt_d)
             else:
                 xv = raw.to(tl.float32)
-            _encode_one(
+            encode_one(
                 xv,
                 vc_ptr, _field_offset(i0, i1, o2, vc_s0, vc_s1, vc_s2),
                 vs_ptr, _field_offset(i0, i1, o2, vs_s0, vs_s1, vs_s2),
@@ -235,7 +235,7 @@ def encode_tiles(
     ``bad``: int32 ``[1]`` on the device, set to 1 if a stored fp16 scale is non-finite (the range
     check without a host read). ``num_warps``, ``max_registers``: tuning knobs (default: see
     ``_launch_options``). The warps set the reduction order, so results can differ within the
-    twin's tolerance (module docstring: a tied iterate, a code on a rounding boundary); the
+    twin's tolerance (:mod:`kvarn.kernels.encode_tile`: a tied iterate, a code on a rounding boundary); the
     register cap moves values to local memory, not the arithmetic. ``programs``: at most this
     many programs each for K and V, each encoding every ``programs``-th tile (default: one
     program a tile; the launch options follow the programs): the same bits, in a launch that

@@ -1,13 +1,13 @@
 """One tile's encode in registers: the dual-axis normalization, the rounding, the packing, the stores.
 
-Device functions of :func:`kvarn.kernels.encode_tiles` (``_encode_one``: a fp32 tile ``X [R, C]`` in
+Device functions of :func:`kvarn.kernels.encode_tiles` (``encode_one``: a fp32 tile ``X [R, C]`` in
 the rotated frame, rows quantized; K tiles are ``[D, G]``, V tiles ``[G, D]``): the T iterations of
 spec section 2 with the best iterate kept (identity included, ties to the later iterate), RTN per
 row (spec section 3), codes packed low bits first (spec section 4) and stored transposed, fp16 fields.
 
 Differences from the torch twin, by design: the unbiased standard deviations are two-pass sums in a
 different reduction order, two of each iteration's four are derived from earlier ones (see
-``_encode_one``), the others are taken of ``X * exp(-a) / sqrt(C - 1)`` (rows) and
+``encode_one``), the others are taken of ``X * exp(-a) / sqrt(C - 1)`` (rows) and
 ``X * exp(-b) / sqrt(R - 1)`` (columns: the unbiased divisors go into the scales' exp), products
 fused into the sums and deviations (FMAs), and then scaled; the loop keeps the
 log-scales in log2 units and the deviations as log2 of the std (half the log2 of the variance, no
@@ -153,7 +153,7 @@ def _lerp(below, above, coeff):
 
 
 @triton.jit
-def _encode_one(
+def encode_one(
     x, codes_ptr, codes_off, rs_ptr, rs_off, rz_ptr, rz_off, cs_ptr, cs_off, bad_ptr,
     norm, R: tl.constexpr, C: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr, CHECK: tl.constexpr,
     QUANT: tl.constexpr, LO0: tl.constexpr, LO1: tl.constexpr, HI0: tl.constexpr, HI1: tl.constexpr,
@@ -174,7 +174,8 @@ def _encode_one(
     # row's deviation of X * exp(-a) (a column's alike), and X * exp(-a) itself is never formed
     # either (_lg2_std_rows), so only X is live and a pass costs about three operations per value
     # (the product in the sum, the deviation, its square; mostly FMAs): at 8 warps 64 registers a
-    # thread hold the tile, and under a 128-register cap two programs share an SM (_launch_options).
+    # thread hold the tile, and under a 128-register cap two programs share an SM
+    # (kvarn.kernels.encode._launch_options).
     # The scale vectors carry the unbiased divisors, 1 / sqrt(n - 1) (_lg2_std_cols).
     KR: tl.constexpr = _lg2_rsqrt(R - 1)
     KC: tl.constexpr = _lg2_rsqrt(C - 1)

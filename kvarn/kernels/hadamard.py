@@ -1,9 +1,10 @@
-"""The Hadamard rotation of a few rows in registers, on tensor cores: the device twin of
-:func:`kvarn.hadamard.rotate` (spec section 1) for the kernels' tiles and queries.
+"""The Hadamard rotation of a few rows in registers, on tensor cores: the kernels' counterpart of
+:func:`kvarn.hadamard.rotate` (spec section 1) for their tiles and queries.
 
-``x @ H`` with ``H`` the normalized Sylvester matrix: ``sqrt(D) H_D`` is made from indices (entries
-0 and +-1, exact in fp16), so no matrix is read from memory, and the product is two 16-wide MMAs
-whose fp32 inputs go in as fp16 high and low halves (about 2^-22 relative).
+:func:`hadamard_rows` returns ``x @ (sqrt(D) H)`` with ``H`` the normalized Sylvester matrix (its
+callers scale by ``1 / sqrt(D)``): ``sqrt(D) H_D`` is made from indices (entries 0 and +-1, exact
+in fp16), so no matrix is read from memory, and the product is two 16-wide MMAs whose fp32 inputs
+go in as fp16 high and low halves (about 2^-22 relative).
 """
 
 import triton
@@ -57,7 +58,7 @@ def hadamard_rows(x, D: tl.constexpr, SPLIT_ROWS: tl.constexpr = False, mid=None
     and registers. In that order, of a 128 x 128 result at 8 warps, a thread holds 8 rows x 8
     channels, the 32 lanes of a warp span 2 rows x 16 channels and the warps split the rows; in
     the plain order a thread holds 16 rows x 4 channels and the lanes span 32 channels. The
-    encoder's loop (:mod:`kvarn.kernels.encode`), which reduces along both axes and keeps a scale
+    encoder's loop (:mod:`kvarn.kernels.encode_tile`), which reduces along both axes and keeps a scale
     per row and per column, does about 30% fewer instructions on the split order (fewer shuffle
     steps per reduction, 8 instead of 16 copies of the channel scales a thread).
     """

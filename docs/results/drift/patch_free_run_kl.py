@@ -19,7 +19,7 @@ from kvarn.analysis.capture import drift_attention
 from kvarn.analysis.errors import kl_and_top1
 from kvarn.analysis.freerun import _freezer, teacher_forced_logits
 from kvarn.analysis.report import summary_markdown
-from kvarn.analysis.specs import MethodSpec, _dedup_key, method_config
+from kvarn.analysis.specs import MethodSpec, dedup_key, method_config
 
 
 @torch.inference_mode()
@@ -37,7 +37,7 @@ def main(ids_path, model_name, *dirs):
             ref = teacher_forced_logits(model, prompt, ref_tokens, _freezer(model, MethodSpec("fp16", "k2v2_g128"), None, False))
             for key, m in doc["methods"].items():
                 spec = MethodSpec(*key.split(":"))
-                dk = _dedup_key(spec, method_config(spec))
+                dk = dedup_key(spec, method_config(spec))
                 if dk not in done:
                     logits = teacher_forced_logits(model, prompt, ref_tokens, _freezer(model, spec, None, False))
                     done[dk] = kl_and_top1(ref, logits)

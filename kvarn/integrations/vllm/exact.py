@@ -36,7 +36,7 @@ class ExactAttention:
         being orthonormal), with the kernel's own causal mask (query ``i`` sees keys ``<= i``; padded
         keys lie past every valid query of their row). Rotating the queries in and the outputs back
         (two float32 products over every prompt token and query head) and gathering the staged keys
-        had cost about twice the attention itself. A chunk that continues a prompt reads its
+        would cost about twice the attention itself. A chunk that continues a prompt reads its
         earlier tokens from the staging, in the rotated frame, with an explicit mask.
         """
         g, d, hk = self.config.tile, self.head_size, self.num_kv_heads
