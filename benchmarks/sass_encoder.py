@@ -61,7 +61,8 @@ def compile_encoder(cfg: KVarNConfig, head_dim: int, warps: int, max_registers: 
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def _tool(name: str) -> str:
+def nvidia_tool(name: str) -> str:
+    """A binary that comes with triton's NVIDIA backend (cuobjdump, ptxas)."""
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
@@ -70,9 +71,9 @@ def count(kernel) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+        sass = subprocess.run([nvidia_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+        usage = subprocess.run([nvidia_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
     ops = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
            if (m := _INSTRUCTION.match(line))]
