@@ -22,15 +22,12 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
-import tempfile
 
 H200_SMS = 132
 _DTYPES = {"torch.float16": "*fp16", "torch.bfloat16": "*bf16", "torch.float32": "*fp32", "torch.uint8": "*u8",
            "torch.int8": "*i8", "torch.int32": "*i32", "torch.int64": "*i64"}
-_INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 
 
 class _Launched(Exception):
@@ -131,28 +128,17 @@ def compile_decode(launch: dict):
 
 def count(kernel) -> dict:
     """Registers, spill stack, instructions, the longest loop body, and a digest of the listing."""
-    from sass_encoder import nvidia_tool
+    from sass_encoder import backward_branches, disassemble
 
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([nvidia_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-        usage = subprocess.run([nvidia_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-    lines = [line for line in sass.splitlines() if _INSTRUCTION.match(line)]
-    ops = [(int(m.group(1), 16), m.group(2), line) for line in lines if (m := _INSTRUCTION.match(line))]
-    loops = []
-    for addr, op, line in ops:
-        target = re.search(r"0x([0-9a-f]+)", line.split("BRA", 1)[1]) if op.startswith("BRA") else None
-        if target and int(target.group(1), 16) < addr:
-            loops.append(sum(1 for a, _, _ in ops if int(target.group(1), 16) <= a <= addr))
+    sass = disassemble(kernel)
+    ops = sass["ops"]
+    loops = [sum(1 for a, _, _ in ops if lo <= a <= hi) for lo, hi in backward_branches(ops)]
     return {
-        "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-        "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+        "registers": sass["registers"],
+        "stack_bytes": sass["stack_bytes"],
         "instructions": len(ops),
         "longest_loop": max(loops, default=0),
-        "sass_sha1": hashlib.sha1("\n".join(lines).encode()).hexdigest(),
+        "sass_sha1": hashlib.sha1("\n".join(line for _, _, line in ops).encode()).hexdigest(),
     }
 
 

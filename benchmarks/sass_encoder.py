@@ -66,8 +66,9 @@ def nvidia_tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def count(kernel) -> dict:
-    """Registers, spill stack, and the instructions of the two loops and of a whole tile."""
+def disassemble(kernel) -> dict:
+    """A compiled kernel's SASS: its instructions as ``(address, opcode, line)``, its registers and its
+    spill stack bytes (``cuobjdump -sass`` and ``-res-usage`` of the cubin)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -75,21 +76,37 @@ def count(kernel) -> dict:
                               check=True).stdout
         usage = subprocess.run([nvidia_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
-    ops = [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
-           if (m := _INSTRUCTION.match(line))]
-    loops = set()  # backward branches: the K and the V normalization loops are the two largest (either order)
+    return {
+        "ops": [(int(m.group(1), 16), m.group(2), line) for line in sass.splitlines()
+                if (m := _INSTRUCTION.match(line))],
+        "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+        "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+    }
+
+
+def backward_branches(ops) -> set[tuple[int, int]]:
+    """The loops of a listing: ``(target, branch)`` addresses of each branch that jumps back."""
+    loops = set()
     for addr, op, line in ops:
         target = re.search(r"0x([0-9a-f]+)", line.split("BRA", 1)[1]) if op.startswith("BRA") else None
         if target and int(target.group(1), 16) < addr:
             loops.add((int(target.group(1), 16), addr))
-    loops = sorted(sorted(loops, key=lambda lh: lh[0] - lh[1])[:2])
+    return loops
+
+
+def count(kernel) -> dict:
+    """Registers, spill stack, and the instructions of the two loops and of a whole tile."""
+    sass = disassemble(kernel)
+    ops = sass["ops"]
+    # the K and the V normalization loops are the two largest backward branches' bodies (either order)
+    loops = sorted(sorted(backward_branches(ops), key=lambda lh: lh[0] - lh[1])[:2])
     bodies = [[op.split(".")[0] for addr, op, _ in ops if lo <= addr <= hi] for lo, hi in loops]
     if len(bodies) != 2:
         raise RuntimeError(f"expected the K and the V loop, found {len(bodies)} backward branches' bodies")
     rest = (len(ops) - sum(map(len, bodies))) / 2  # each program runs one of the two paths
     return {
-        "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
-        "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+        "registers": sass["registers"],
+        "stack_bytes": sass["stack_bytes"],
         "instructions": len(ops),
         "loops": [len(b) for b in bodies],
         "loop_ops": [dict(collections.Counter(b).most_common(12)) for b in bodies],
