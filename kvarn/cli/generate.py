@@ -66,10 +66,7 @@ def _main(args) -> int:
     from kvarn.config import KVarNConfig
 
     device = torch_device(args.device)
-    try:  # --tile / --sink-tokens against the preset, before the model loads
-        KVarNConfig.from_name(args.preset, **_overrides(args))
-    except ValueError as e:
-        raise SystemExit(f"kvarn generate: {e}") from None
+    KVarNConfig.from_name(args.preset, **_overrides(args))  # --tile / --sink-tokens refused before the model loads
     model, tokenizer = models.load(args.model, dtype=getattr(torch, args.dtype))
     kw = dict(chat=not args.no_chat, overrides=_overrides(args))
     if device.type == "cuda":
