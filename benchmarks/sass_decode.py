@@ -114,7 +114,8 @@ def compile_decode(launch: dict):
             sig[name] = _DTYPES[kind[1]]
             if kind[2]:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-        elif kind[0] == "constexpr" or (kind[0] == "int" and kind[1] == 1):  # compiled in, as Triton does
+        elif kind[0] == "constexpr" or fn.params[i].is_constexpr or (kind[0] == "int" and kind[1] == 1):
+            # compiled in, as Triton does: a constexpr value, a tl.constexpr parameter, an int of 1
             sig[name], consts[name] = "constexpr", kind[1]
         elif kind[0] == "int":
             sig[name] = "i32" if -2 ** 31 <= kind[1] < 2 ** 31 else "i64"

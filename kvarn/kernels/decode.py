@@ -74,7 +74,7 @@ def _decode_attention_kernel(
     vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
     n_len_ptr, krot_ptr, vrot_ptr,
     o_ptr, o_sb, o_sh, o_st, pacc_ptr, pml_ptr, gacc_ptr, gml_ptr, count_ptr,
-    HK, qk_scale, inv_sqrt_d, TILES_PER_SPLIT, FP_SPLITS, NS, NT_CAP,
+    HK, qk_scale, inv_sqrt_d, TILES_PER_SPLIT, FP_SPLITS: tl.constexpr, NS, NT_CAP,
     D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     GROUP: tl.constexpr, TQ: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, FP_ROTATED: tl.constexpr, FLAGS: tl.constexpr, SINGLE: tl.constexpr,
@@ -287,10 +287,14 @@ def decode_attention(
     if num_splits is not None and n_cap:
         splits = max(1, min(int(num_splits), n_cap))
     if fp_splits is not None and fps:
-        fps = max(1, min(int(fp_splits), -(-(s_cap + r_cap) // BLOCK_N)))
+        fps = max(1, min(int(fp_splits), -(-(s_cap + r_cap) // BLOCK_N.value)))
     per_split = -(-n_cap // splits) if splits else 1
     splits = -(-n_cap // per_split) if splits else 0  # no empty split at the end
     ns = splits + fps
+    # What Triton compiles in: FP_SPLITS, a few values (the sink's and tail's 32-token blocks, at
+    # most 8 for a 128-token sink and tail), whose constant loop step saves about 500 instructions
+    # at B 1; the split count NS is a runtime int, as a cache that grows without max_length takes a
+    # new count every few tiles and a compiled-in one cost a compile each (65 over 4K tokens at B 1).
     if ns == 0:  # nothing to attend to: every query sees no key
         return torch.zeros_like(query)
 

@@ -68,6 +68,6 @@ def plan_splits(batch_heads: int, n_tiles: int, fp_tokens: int, device: torch.de
     full = PROGRAMS_PER_SM * num_sms(device)
     want = max(1, -(-2 * full // batch_heads) if waves == 2 else full // batch_heads)
     tile_splits = max(1, min(want, -(-n_tiles // MIN_TILES_PER_SPLIT), MAX_SPLITS)) if n_tiles else 0
-    fp_blocks = -(-fp_tokens // BLOCK_N)
+    fp_blocks = -(-fp_tokens // BLOCK_N.value)  # ints: a constexpr here would compile each count in
     fp_splits = min(fp_blocks, max(1, want // 32)) if fp_blocks else 0
     return tile_splits, fp_splits
