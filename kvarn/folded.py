@@ -117,7 +117,7 @@ def _code_products(a: torch.Tensor, codes: torch.Tensor, bits: int, workspace: d
                    kernels: str) -> torch.Tensor:
     """``a [T, Hk, M, K] @ unpack_centred(codes [T, Hk, N/P, K]).T`` -> float32 ``[T, Hk, M, N]``."""
     if kernels == "numba":
-        from .cpu_kernels import packed_matmul
+        from .cpu_matmul import packed_matmul
 
         return packed_matmul(a, codes, bits)
     unpacked = unpack_centred(codes, bits, workspace, name)  # [T, Hk, N, K]
@@ -172,7 +172,7 @@ def folded_decode_attention(
         page faults cost on CPU about as much as the passes themselves.
 
     kernels:  who multiplies by the codes: ``"torch"`` (unpacked int8 codes, float32 ``bmm``) or
-        ``"numba"`` (:func:`kvarn.cpu_kernels.packed_matmul`, from the packed bytes).
+        ``"numba"`` (:func:`kvarn.cpu_matmul.packed_matmul`, from the packed bytes).
 
     Returns float32 ``[B, Hq, D]``, un-rotated. A sequence with no visible key gets 0.
     """

@@ -1,4 +1,5 @@
-"""The numba CPU encoder against its torch twin (kvarn.codec): the same bits, field for field."""
+"""The numba CPU encoder against its torch twin (kvarn.codec): the same bits, field for field; the
+packed decode product (kvarn.cpu_matmul) against the unpacked one."""
 
 import logging
 
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 pytest.importorskip("numba")
 
 from kvarn import KVarNConfig  # noqa: E402
-from kvarn import codec, cpu_kernels  # noqa: E402
+from kvarn import codec, cpu_kernels, cpu_matmul  # noqa: E402
 from kvarn.codec import rotate_kv  # noqa: E402
 from kvarn.folded import unpack_centred  # noqa: E402
 from kvarn.normalize import Workspace  # noqa: E402
@@ -136,16 +137,16 @@ def test_packed_matmul_equals_the_unpacked_product(bits):
     a = torch.randn(5, 2, 3, 64, generator=gen)
     records = torch.randint(0, 256, (5, 2, 16 * 64 + 8), dtype=torch.uint8, generator=gen)
     codes = records[..., : 16 * 64].view(5, 2, 16, 64)  # [.., N / P, K] with a record's stride
-    got = cpu_kernels.packed_matmul(a, codes, bits)
+    got = cpu_matmul.packed_matmul(a, codes, bits)
     want = a.double() @ unpack_centred(codes, bits).double().transpose(-1, -2)
     assert got.shape == (5, 2, 3, 16 * per)
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
     with pytest.raises(ValueError, match="do not match"):
-        cpu_kernels.packed_matmul(a[..., :32], codes, bits)
+        cpu_matmul.packed_matmul(a[..., :32], codes, bits)
     with pytest.raises(ValueError, match="bits=3 is not supported"):
-        cpu_kernels.packed_matmul(a, codes, 3)
+        cpu_matmul.packed_matmul(a, codes, 3)
     with pytest.raises(TypeError, match="packed uint8"):
-        cpu_kernels.packed_matmul(a, codes.to(torch.int16), bits)
+        cpu_matmul.packed_matmul(a, codes.to(torch.int16), bits)
 
 
 @pytest.mark.parametrize("method", ["kvarn", "kivi", "varn", "rtn"])
