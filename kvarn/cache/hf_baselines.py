@@ -19,7 +19,7 @@ from transformers.cache_utils import QuantizedLayer
 
 from ..config import KVarNConfig
 from ..methods import Method
-from .layer import _memory, dtype_name
+from .memory import dtype_name, empty_entry, memory_entry
 
 HF_GROUP = 64  # q_group_size of transformers' quantized layers (its default)
 
@@ -60,7 +60,7 @@ def hf_layer_factory(method: Method, config: KVarNConfig):
 def hf_memory(layer: QuantizedLayer) -> dict:
     """Stored bytes of a transformers quantized layer: packed codes + scales/shifts, fp residual."""
     if not layer.is_initialized:
-        return _memory(0, 0, 0, 0, 0)
+        return empty_entry()
     qbytes = elements = 0
     rows = 0
     for q in (getattr(layer, "_quantized_keys", None), getattr(layer, "_quantized_values", None)):
@@ -84,8 +84,8 @@ def hf_memory(layer: QuantizedLayer) -> dict:
     dtype = layer.keys.dtype if isinstance(layer.keys, torch.Tensor) else torch.float16
     if isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4:
         rows += layer.keys.shape[0] * layer.keys.shape[2]
-    return _memory(qbytes, fp_bytes, rows, elements * 2, qbytes + fp_bytes,
-                   baseline_bytes=elements * dtype.itemsize, baseline_dtype=dtype_name(dtype))
+    return memory_entry(qbytes, fp_bytes, rows, elements * 2, qbytes + fp_bytes,
+                        baseline_bytes=elements * dtype.itemsize, baseline_dtype=dtype_name(dtype))
 
 
 def _nbytes(t) -> int:

@@ -29,6 +29,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..config import KVarNConfig
 from ..methods import TileCodec
 from ..record import TileFields
+from .memory import dtype_name, empty_entry, memory_entry
 from .store import TileStore, grown_capacity
 
 
@@ -61,34 +62,6 @@ class LayerView:
     # kvarn.attention.decode_attention's key_rotated / value_rotated take them.
     key_rotated: torch.Tensor | None = None
     value_rotated: torch.Tensor | None = None
-
-
-def _memory(quantized_bytes, full_precision_bytes, tokens, fp16_equivalent_bytes, reserved_bytes, quantized_tiles=0,
-            decoded_cache_bytes=0, baseline_bytes=None, baseline_dtype=None):
-    """One memory entry. ``baseline_bytes``: what the model's own cache would hold for the same
-    tokens, K and V in ``baseline_dtype`` (default: the fp16 figure); ``compression_ratio`` is
-    against it, ``compression_vs_fp16`` against fp16."""
-    total = quantized_bytes + full_precision_bytes
-    if baseline_bytes is None:
-        baseline_bytes, baseline_dtype = fp16_equivalent_bytes, baseline_dtype or "float16"
-    return {
-        "decoded_cache_bytes": decoded_cache_bytes,
-        "tokens": tokens,
-        "quantized_tiles": quantized_tiles,
-        "quantized_bytes": quantized_bytes,
-        "full_precision_bytes": full_precision_bytes,
-        "total_bytes": total,
-        "baseline_bytes": baseline_bytes,
-        "baseline_dtype": baseline_dtype,
-        "compression_ratio": baseline_bytes / total if total else 1.0,
-        "fp16_equivalent_bytes": fp16_equivalent_bytes,
-        "compression_vs_fp16": fp16_equivalent_bytes / total if total else 1.0,
-        "reserved_bytes": reserved_bytes,
-    }
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class KVarNLayer(CacheLayerMixin):
@@ -322,7 +295,7 @@ class KVarNLayer(CacheLayerMixin):
     def memory(self) -> dict:
         """Bytes actually stored by this layer (see :meth:`kvarn.KVarNCache.memory_report`)."""
         if not self.is_initialized:
-            return _memory(0, 0, 0, 0, 0)
+            return empty_entry()
         per_token = self.heads * self.head_dim * 2  # K and V elements per token
         esize = self.sink_k.element_size()
         fp_tokens = sum(self.sink_len) + sum(self.tail_len)
@@ -334,7 +307,7 @@ class KVarNLayer(CacheLayerMixin):
             self.sink_k.numel() + self.sink_v.numel() + self.tail_k.numel() + self.tail_v.numel()
         ) * esize + self.store.reserved_bytes()
         tokens = fp_tokens + tile_tokens
-        return _memory(
+        return memory_entry(
             quantized_bytes=tile_bytes if quantized else 0,
             full_precision_bytes=fp_bytes + (0 if quantized else tile_bytes),
             tokens=tokens,

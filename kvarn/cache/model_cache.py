@@ -55,7 +55,8 @@ from ..config import KVarNConfig, check_head_dim
 from ..methods import METHODS, Method, TileCodec, get_method
 from .auto import KVarNAutoLayer, install_prompt_capture
 from .hf_baselines import HF_GROUP, HF_METHODS, hf_layer_factory, hf_memory
-from .layer import KVarNLayer, _memory, dtype_name
+from .layer import KVarNLayer
+from .memory import dense_entry, total_entry
 from .layer_types import SLIDING_TYPES, layer_types_of, text_config
 
 logger = logging.getLogger(__name__)
@@ -271,22 +272,10 @@ class KVarNCache(Cache):
                 entry = hf_memory(layer)
                 kind = "quantized_hf"
             else:
-                keys = getattr(layer, "keys", None)
-                n = 0 if keys is None or keys.dim() < 4 else keys.numel() * 2
-                esize = 0 if keys is None else keys.element_size()
-                tokens = 0 if not n else keys.shape[0] * keys.shape[2]
-                entry = _memory(0, n * esize, tokens, n * 2, n * esize, baseline_bytes=n * esize,
-                                baseline_dtype=None if keys is None else dtype_name(keys.dtype))
+                entry = dense_entry(getattr(layer, "keys", None))
                 kind = "full_precision_sliding"
             layers.append({"layer": i, "kind": kind, **entry})
-        keys = ("tokens", "quantized_tiles", "quantized_bytes", "full_precision_bytes",
-                "fp16_equivalent_bytes", "reserved_bytes", "decoded_cache_bytes", "baseline_bytes")
-        sums = {k: sum(entry[k] for entry in layers) for k in keys}
-        dtypes = sorted({e["baseline_dtype"] for e in layers if e["tokens"] and e["baseline_dtype"]})
-        total = _memory(sums["quantized_bytes"], sums["full_precision_bytes"], sums["tokens"],
-                        sums["fp16_equivalent_bytes"], sums["reserved_bytes"], sums["quantized_tiles"],
-                        sums["decoded_cache_bytes"], baseline_bytes=sums["baseline_bytes"],
-                        baseline_dtype="+".join(dtypes) or None)
+        total = total_entry(layers)
         auto = {"flavours": self.flavours()} if self.method.name == "kvarn-auto" else {}
         return {"method": self.method.name, "preset": self.config.name,
                 "sink_tokens": self.config.sink_tokens, "total": total, "layers": layers, **auto}
