@@ -8,7 +8,7 @@ of the group at once (:func:`~.staging.encode_records`, in chunks of bounded siz
 records (``[num_blocks, Hk, record_bytes]``); then decoding requests run one batched decode
 attention over [sink fp | records | tail fp] (:func:`kvarn.folded.folded_decode_attention`, or the
 Triton ``decode_attention``), and prefilling, extending and sliding-window requests run the exact
-paths of :class:`~.exact.ExactAttention`.
+paths of :mod:`~.exact`.
 
 Kernels (``kernels`` of :class:`~.settings.VLLMSettings`): Triton on CUDA, the numba CPU kernels or
 the torch reference, resolved at the first step and logged.
@@ -28,7 +28,7 @@ from ...codec import numba_available
 from ...folded import folded_decode_attention, scratch_buffer
 from ...hadamard import rotate
 from ...record import record_field_views
-from .exact import ExactAttention
+from . import exact
 from .hooks import install_hooks
 from .plan import StepPlan, commit_chunks
 from .settings import settings_from_vllm_config
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 COMMIT_CHUNK_VALUES = {"torch": 1 << 18, "numba": 1 << 20, "triton": 1 << 22}
 
 
-class KVarNAttentionImpl(ExactAttention, AttentionImpl[StepPlan]):
+class KVarNAttentionImpl(AttentionImpl[StepPlan]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes=None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
@@ -124,7 +124,7 @@ class KVarNAttentionImpl(ExactAttention, AttentionImpl[StepPlan]):
         k = key.view(-1, self.num_kv_heads, self.head_size)
         v = value.view(-1, self.num_kv_heads, self.head_size)
         if self.sliding_window is not None:
-            self._forward_fp(q, k, v, kv_cache, attn_metadata, out)
+            exact.sliding_window(q, k, v, kv_cache, attn_metadata, out, self.sliding_window, self.scale)
         else:
             self._forward_kvarn(q, k, v, kv_cache, attn_metadata, out)
         return output
@@ -160,10 +160,11 @@ class KVarNAttentionImpl(ExactAttention, AttentionImpl[StepPlan]):
                 self._decode(q, sk, sv, pages, plan, out, kernels)
         if plan.pre_tok.numel():
             with record_function("kvarn.prefill"):
-                self._prefill(q, k, v, sk, sv, plan, out)
+                exact.prefill(q, k, v, sk, sv, plan, out, self.scale)
         for t0, n, length, blocks in plan.extend:
             with record_function("kvarn.extend"):
-                out[t0:t0 + n] = self._extend(q[t0:t0 + n], blocks, length, sk, sv, pages, plan).to(out.dtype)
+                o = exact.extend(q[t0:t0 + n], blocks, length, sk, sv, pages, plan, self.config, self.scale)
+                out[t0:t0 + n] = o.to(out.dtype)
 
     def _commit_group(self, plan: StepPlan, kernels: str) -> None:
         """Encode ``plan.commit_blocks`` of every KVarN layer of the group, in calls of about
