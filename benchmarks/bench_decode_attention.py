@@ -37,7 +37,8 @@ SHAPES = {"llama8b_d128": (32, 8, 128), "d64": (32, 8, 64), "d256": (16, 8, 256)
 CONTEXTS = (4096, 16384, 65536, 131072)
 BATCHES = (1, 8, 32)
 PRESETS = ("k2v2_g128", "k4v2_g128")
-PEAK = 4.8e12
+# HBM bandwidth by device name (the vendors' figures), for the "% peak" column; other devices get none.
+PEAK_BYTES_PER_S = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12, "NVIDIA H100 PCIe": 2.0e12}
 # Knob settings tried with --sweep, by name: "splits" multiplies the two-wave plan's number of splits.
 SWEEP = {
     "w2_s2": {"num_warps": 2, "num_stages": 2},
@@ -122,6 +123,7 @@ def case_fns(b, hq, hk, d, t, cfg, dev, kw):
 
 def run(shapes, batches, contexts, presets, sweep, cold_bytes, head_flags=False):
     dev = torch.device("cuda")
+    peak = PEAK_BYTES_PER_S.get(torch.cuda.get_device_properties(dev).name)
     rows = []
     for shape in shapes:
         hq, hk, d = SHAPES[shape]
@@ -141,7 +143,7 @@ def run(shapes, batches, contexts, presets, sweep, cold_bytes, head_flags=False)
                     _, make_kv, _, kv_bytes = case_fns(b, hq, hk, d, t, cfg, dev, {})
                     t_kv = bench(cycling(make_kv, kv_bytes, cold_bytes))
                     cell = {"us": t_kv * 1e6, "bytes": kv_bytes, "tbps": kv_bytes / t_kv / 1e12,
-                            "peak_frac": kv_bytes / t_kv / PEAK, "speedup": t_fp / t_kv}
+                            "peak_frac": kv_bytes / t_kv / peak if peak else None, "speedup": t_fp / t_kv}
                     if head_flags:  # kvarn-auto, against the spec's kernel and against the fused cache's
                         _, make_fl, _, _ = case_fns(b, hq, hk, d, t, cfg, dev, {"head_flags": True})
                         _, make_mf, _, _ = case_fns(b, hq, hk, d, t, cfg, dev, {"fp_frame": "model"})
@@ -178,7 +180,8 @@ def table(rows, presets):
             best = f" (best {x['best_speedup']:.2f}x: {x['best']})" if "best" in x else ""
             flags = (f"; per-head flags {x['flags_us']:.1f} µs ({x['flags_vs_spec']:.3f}x, "
                      f"{x['flags_vs_model_frame']:.3f}x of the model frame)") if "flags_us" in x else ""
-            cells += [f"{x['us']:.1f} ({x['tbps']:.2f}, {100 * x['peak_frac']:.0f}%){flags}", f"{x['speedup']:.2f}x{best}"]
+            frac = "-" if x["peak_frac"] is None else f"{100 * x['peak_frac']:.0f}%"
+            cells += [f"{x['us']:.1f} ({x['tbps']:.2f}, {frac}){flags}", f"{x['speedup']:.2f}x{best}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -198,7 +201,7 @@ def main():
     props = torch.cuda.get_device_properties(0)
     rows = run(a.shapes, a.batches, a.contexts, a.presets, a.sweep, a.cold_bytes, a.head_flags)
     meta = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-            "peak_bytes_per_s": PEAK, "timing": "triton do_bench_cudagraph median, cold copies",
+            "peak_bytes_per_s": PEAK_BYTES_PER_S.get(props.name), "timing": "triton do_bench_cudagraph median, cold copies",
             "cold_bytes": a.cold_bytes}
     with open(a.out, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)

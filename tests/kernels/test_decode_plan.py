@@ -4,7 +4,8 @@ Triton compiles a launch's ``tl.constexpr`` values in (a declared constexpr para
 ``tl.constexpr`` object passed for a runtime one) and specializes runtime ints on being 1 and on
 divisibility by 16, so every new combination is a new compile on the GPU (seconds each). A cache
 decoded without ``max_length`` passes its used prefix, whose tile count and tail length change as
-it grows: the launch must not turn those into new variants. The launch is recorded, not run.
+it grows: the launch must not turn those into new variants. The launch is recorded, not run (its
+inputs on the kernels' device: CUDA, or CPU under the interpreter).
 """
 
 import inspect
@@ -38,7 +39,7 @@ def _compiled_in(fn, args, kwargs) -> tuple:
 
 
 @pytest.mark.parametrize("batch", [1, 16])
-def test_a_growing_cache_compiles_few_variants(monkeypatch, batch):
+def test_a_growing_cache_compiles_few_variants(monkeypatch, batch, kdevice):
     fn = decode._decode_attention_kernel
     monkeypatch.setattr(decode_plan, "num_sms", lambda device: 132)  # the H200's plan
 
@@ -52,17 +53,17 @@ def test_a_growing_cache_compiles_few_variants(monkeypatch, batch):
     monkeypatch.setattr(decode, "_decode_attention_kernel", Recorder())
     cfg = KVarNConfig.from_name("k4v2_g128")
     hq, hk, d, g, s = 32, 8, 64, cfg.tile, cfg.sink_tokens
-    q = torch.zeros(batch, hq, 1, d, dtype=torch.float16)
-    sink = torch.zeros(batch, hk, s, d, dtype=torch.float16)
-    full = lambda v: torch.full((batch,), v, dtype=torch.int32)  # noqa: E731
+    q = torch.zeros(batch, hq, 1, d, dtype=torch.float16, device=kdevice)
+    sink = torch.zeros(batch, hk, s, d, dtype=torch.float16, device=kdevice)
+    full = lambda v: torch.full((batch,), v, dtype=torch.int32, device=kdevice)  # noqa: E731
 
     def variant(length):
         """The launch of a step at ``length`` tokens, as FusedKVarNLayer.fused_inputs passes a cache
         without max_length: the used tiles and the tail up to its longest row."""
         n, r = divmod(length - s, g)
         r = max(r, 1)
-        tail = torch.zeros(batch, hk, r, d, dtype=torch.float16)
-        tiles = empty_fields((batch, hk, n), cfg, d, "cpu") if n else None
+        tail = torch.zeros(batch, hk, r, d, dtype=torch.float16, device=kdevice)
+        tiles = empty_fields((batch, hk, n), cfg, d, kdevice) if n else None
         with pytest.raises(_Launched) as launched:
             decode.decode_attention(q, sink, sink, tiles, tail, tail, cfg, sink_lengths=full(s),
                                     tile_counts=full(n), tail_lengths=full(r), fp_frame="model")
