@@ -162,9 +162,6 @@ def encode_one(
     """Normalize, round, pack and store one fp32 tile ``x [R, C]`` (rotated frame)."""
     rows = tl.arange(0, R)
     cols = tl.arange(0, C)
-    # The log-scales are kept in log2 units (a2 = a log2(e)), their deviations as log2 std.
-    a2 = tl.zeros([C], dtype=tl.float32)
-    b2 = tl.zeros([R], dtype=tl.float32)
     # Two of the four deviations an iteration of the spec takes are known without a pass over the
     # tile: the column update uses the columns' deviations the last score took (same Y), and a
     # row update scales each row, so the rows' deviations after it are the ones before it times
@@ -183,6 +180,11 @@ def encode_one(
     id_c = tl.full([C], (C - 1) ** -0.5, tl.float32)
     lcs = _lg2_std_cols(x, id_r, R, ASM)  # log2 deviations of Y's columns (Y = X before any update)
     lrs = _lg2_std_rows(x, id_c, C, ASM)
+    # The log-scales are kept in log2 units (a2 = a log2(e)), their deviations as log2 std. Zeros
+    # made from the deviations take their layout, so that this function also runs where layouts are
+    # explicit (a Gluon caller: benchmarks/study_encode_partitions.py); the same constants here.
+    a2 = tl.where(lcs != lcs, 0.0, 0.0)
+    b2 = tl.where(lrs != lrs, 0.0, 0.0)
     best = _score(lcs, lrs, ASM)
     best_a = a2
     best_b = b2
@@ -235,8 +237,9 @@ def encode_one(
     else:
         packed = _pack(q, BITS, P)
     pcols = tl.arange(0, CB)
+    prows = tl.arange(0, R)  # the packed codes' own index (their layout differs from the scales')
     # Stored transposed, [C / P, R] (the code byte order of kvarn.record).
-    tl.store(codes_ptr + codes_off + pcols[None, :] * R + rows[:, None], packed.to(tl.uint8))
+    tl.store(codes_ptr + codes_off + pcols[None, :] * R + prows[:, None], packed.to(tl.uint8))
     rs = (row_scale * step).to(tl.float16)
     rz = (row_scale * lo).to(tl.float16)
     cs = col_scale.to(tl.float16)
