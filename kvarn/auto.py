@@ -19,28 +19,28 @@ sink tokens, tile ``G`` and the ``n = min((T - S) // G, TRIAL_TILES)`` full tile
    is chosen for each. Ties go to KVarN; with ``margin`` m > 0, another flavour must beat KVarN's
    score by the fraction m (score < (1 - m) x KVarN's) to be chosen.
 5. Rule ``"r3"``: the three policies KVarN, a2 and a3 (each with the margin) are this row's
-   candidates (:attr:`RowDecision.candidates`); a short self-test of the model on the prompt
-   (:mod:`kvarn.selftest`) keeps the one whose logits stay closest to the exact prefill's. Until it
-   has run, and where the prompt is too short for it, the row holds a2's flavours. It sees what
-   no local score does (how the errors accumulate through layers and tokens), at the price of 768
-   token-forwards of the model per prompt: with its 2-bit ranges, a2 meets every goal cell of
+   candidates (:attr:`kvarn.decision.RowDecision.candidates`); a short self-test of the model on the
+   prompt (:mod:`kvarn.selftest`) keeps the one whose logits stay closest to the exact prefill's.
+   Until it has run, and where the prompt is too short for it, the row holds a2's flavours. It sees
+   what no local score does (how the errors accumulate through layers and tokens), at the price of
+   768 token-forwards of the model per prompt: with its 2-bit ranges, a2 meets every goal cell of
    docs/results/drift.md on its own, at a fraction of r3's prefill cost (SmolLM2, 512 tokens, one
    thread: 3.9 against 10.8 s, the fp16 prefill 2.4 s), hence the default.
 
-Cost: the trial is one encode and decode of its tiles per option it measures (a2: two for the
-keys, four for the values; two of each normalized), and its encodings are kept
-(:attr:`RowDecision.prompt_tiles`) so that the freeze of those tiles and the self-test's first tile
-need no encode of their own; a longer prompt's later tiles are encoded once, with the chosen
-flavours, by the freeze. Reading only the first ``S + 3G`` tokens keeps the decision's cost flat in
-the prompt's length (at 2048 tokens on SmolLM2 the trial and error sums over the whole prompt were
-4.4 s against a 5.3 s prefill, one thread), and a longer prompt decides exactly as its first
-``S + 3G`` tokens would. Queries are sampled at ``max_queries`` evenly spaced positions past the
-sink (128: the errors are means over tens of thousands of (query, key) pairs per head, and 256
-took the error sums from about 0.33 to 0.55 s of a 512-token SmolLM2 prefill), and each block of
-them reads only the keys it can see (about half the pairs), so the options' key and value errors
-together cost about ``(Ck + Cv) * Hq * max_queries * T * D / 2`` multiply-adds (``T <= S + 3G``;
-a2: ``Ck + Cv = 6``), plus one attention pass of ``max_queries`` queries for ``p``. Measured:
-docs/results/drift.md, "Cost".
+Cost: the trial is one encode and decode of its tiles per option it measures (a2: two for the keys,
+four for the values; two of each normalized), and its encodings are kept
+(:attr:`kvarn.decision.RowDecision.prompt_tiles`) so that the freeze of those tiles and the
+self-test's first tile need no encode of their own; a longer prompt's later tiles are encoded once,
+with the chosen flavours, by the freeze. Reading only the first ``S + 3G`` tokens keeps the
+decision's cost flat in the prompt's length (at 2048 tokens on SmolLM2 the trial and error sums over
+the whole prompt were 4.4 s against a 5.3 s prefill, one thread), and a longer prompt decides
+exactly as its first ``S + 3G`` tokens would. Queries are sampled at ``max_queries`` evenly spaced
+positions past the sink (128: the errors are means over tens of thousands of (query, key) pairs per
+head, and 256 took the error sums from about 0.33 to 0.55 s of a 512-token SmolLM2 prefill), and
+each block of them reads only the keys it can see (about half the pairs), so the options' key and
+value errors together cost about ``(Ck + Cv) * Hq * max_queries * T * D / 2`` multiply-adds
+(``T <= S + 3G``; a2: ``Ck + Cv = 6``), plus one attention pass of ``max_queries`` queries for
+``p``. Measured: docs/results/drift.md, "Cost".
 
 Ranges: kvarn-auto rounds its 2-bit rows over their [q, 1 - q] quantiles (:func:`auto_ranges`,
 :data:`LOW_BIT_QUANTILE`), in the trial as in the stored tiles; the flavour scores above are taken
@@ -55,13 +55,13 @@ a row with ``S + G <= T < S + 3G`` (too short for the self-test) keeps rule a2's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from .config import KVarNConfig
-from .flavour import NAMED, OPTIONS, Flavours, option_index, roundtrip_options, select_options
-from .record import TileFields
+from .decision import LayerDecision, RowDecision, fallback
+from .flavour import NAMED, OPTIONS, roundtrip_options
 
 RULES = ("a2", "a3", "n2", "r3")
 #: Rule r3's candidate policies, in the order ties are broken.
@@ -131,74 +131,6 @@ def _choose(scores: torch.Tensor, candidates: int, margin: float) -> torch.Tenso
     sc = scores[:, :candidates].clone()
     sc[:, 1:] = sc[:, 1:] / (1.0 - margin)
     return sc.argmin(-1)  # ties: the first candidate, KVarN
-
-
-@dataclass
-class RowDecision:
-    """The decision of one row of one layer; per-head tensors are ``[Hk]`` (scores ``[Hk, C]``, one
-    column per option the rule measured, in :data:`kvarn.flavour.OPTIONS` order: RN, -N, R-, --;
-    rules a2 and n2 measure the keys' first two, n2 the values' too, the others all four).
-
-    Rule r3: ``candidates`` maps each of :data:`POLICIES` to its four flag tensors; ``policy`` is the
-    one the flags hold (``"a2"`` until the self-test picks one) and ``self_test_kl`` the self-test's
-    KL per policy (None when it did not run)."""
-
-    decided: bool
-    key_rotate: torch.Tensor
-    key_normalize: torch.Tensor
-    value_rotate: torch.Tensor
-    value_normalize: torch.Tensor
-    key_logit_error: torch.Tensor | None = None
-    value_output_error: torch.Tensor | None = None
-    variance_energy_corr: torch.Tensor | None = None
-    prompt_tokens: int = 0
-    candidates: dict[str, tuple[torch.Tensor, ...]] | None = None
-    policy: str | None = None
-    self_test_kl: dict[str, float] | None = None
-    # The trial encodings of the prompt's first N <= TRIAL_TILES tiles past the sink, fields
-    # [C, Hk, N, ...] (one row per option measured, K's and V's counts as the scores'): the freeze
-    # of those tiles and the self-test's first tile reuse them, so no prompt tile is encoded twice;
-    # the freeze drops them.
-    prompt_tiles: TileFields | None = field(default=None, repr=False)
-
-    def prompt_fields(self, flags: tuple[torch.Tensor, ...] | None = None) -> TileFields:
-        """The prompt's tiles encoded with ``flags`` (key_rotate, key_normalize, value_rotate,
-        value_normalize ``[Hk]``; default: this row's own flags): fields ``[Hk, N, ...]``."""
-        if self.prompt_tiles is None:
-            raise ValueError("this row keeps no trial encodings of its prompt (fallback, or already frozen)")
-        kr, kn, vr, vn = flags if flags is not None else \
-            (self.key_rotate, self.key_normalize, self.value_rotate, self.value_normalize)
-        return select_options(self.prompt_tiles, option_index(kr, kn), option_index(vr, vn))
-
-    def adopt(self, policy: str, kl: dict[str, float] | None = None) -> None:
-        """Take the flags of candidate ``policy`` (rule r3); ``kl``: the self-test's figures."""
-        if self.candidates is None or policy not in self.candidates:
-            raise ValueError(f"policy {policy!r} is not a candidate of this row; candidates: "
-                             f"{sorted(self.candidates or {})}")
-        (self.key_rotate, self.key_normalize, self.value_rotate, self.value_normalize) = self.candidates[policy]
-        self.policy, self.self_test_kl = policy, kl
-
-    def summary(self) -> dict:
-        """JSON-ready: flags, and per head the rotated/unrotated key logit errors and correlation."""
-        out = {"decided": self.decided, "prompt_tokens": self.prompt_tokens}
-        if self.policy is not None:
-            out["policy"] = self.policy
-            out["self_test_kl"] = self.self_test_kl
-        for name in ("key_rotate", "key_normalize", "value_rotate", "value_normalize"):
-            out[name] = getattr(self, name).tolist()
-        if self.key_logit_error is not None:
-            out["key_logit_error_rotated"] = self.key_logit_error[:, 0].tolist()
-            out["key_logit_error_unrotated"] = self.key_logit_error[:, 1].tolist()
-            out["key_logit_error"] = self.key_logit_error.tolist()
-            out["value_output_error"] = self.value_output_error.tolist()
-            out["log_key_variance_vs_log_query_energy_corr"] = self.variance_energy_corr.tolist()
-        return out
-
-
-def fallback(heads: int, prompt_tokens: int = 0, device=None) -> RowDecision:
-    """KVarN on every head: the spec's method, for prompts too short to decide."""
-    f = [torch.full((heads,), x, dtype=torch.bool, device=device) for x in NAMED["kvarn"]]
-    return RowDecision(False, *f, prompt_tokens=prompt_tokens)
 
 
 def _log_corr(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -315,25 +247,6 @@ def decide_row(
         variance_energy_corr=_log_corr(variance, energy).cpu(), prompt_tokens=t,
         candidates=candidates, policy=policy, prompt_tiles=tiles,
     )
-
-
-@dataclass
-class LayerDecision:
-    """The rows' decisions of one layer, and their flags as :class:`Flavours` ``[B, Hk]``."""
-
-    rows: list[RowDecision] = field(default_factory=list)
-
-    @property
-    def flavours(self) -> Flavours:
-        return Flavours(*(torch.stack([getattr(r, n) for r in self.rows]) for n in
-                          ("key_rotate", "key_normalize", "value_rotate", "value_normalize")))
-
-    def select(self, index: list[int]) -> "LayerDecision":
-        return LayerDecision([self.rows[i] for i in index])
-
-    def candidate(self, row: int, policy: str) -> Flavours:
-        """Rule r3: the flags of ``policy`` for row ``row`` alone, as :class:`Flavours` ``[1, Hk]``."""
-        return Flavours(*(x[None] for x in self.rows[row].candidates[policy]))
 
 
 def decide(

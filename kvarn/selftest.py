@@ -88,7 +88,7 @@ def self_test(
     exact_logits: ``[chunks * G, V]`` the exact prefill's logits at :func:`self_test_positions`;
         None runs the exact model on the test chunks instead.
     prompt_tiles: per quantized layer, the decision's trial encodings ``[4, Hk, N >= 1, ...]``
-        (:attr:`kvarn.auto.RowDecision.prompt_tiles`) of this codec; given, the history's first
+        (:attr:`kvarn.decision.RowDecision.prompt_tiles`) of this codec; given, the history's first
         tile is decoded from them instead of encoded again.
     Returns policy -> KL, in the order of ``candidates``.
     """
@@ -169,7 +169,7 @@ def settle(
     model, prompt: torch.Tensor, prompt_kv: list[tuple[torch.Tensor, torch.Tensor]], decisions: dict, codec: TileCodec,
     exact_logits: torch.Tensor | None = None, *, row: int = 0, embeds: bool = False,
 ) -> dict[str, float] | None:
-    """Rule r3 for one row: self-test the candidates of ``decisions`` (layer -> :class:`kvarn.auto.LayerDecision`)
+    """Rule r3 for one row: self-test the candidates of ``decisions`` (layer -> :class:`kvarn.decision.LayerDecision`)
     and adopt the winner in that row of every layer. Arguments as :func:`self_test`, for this row alone.
 
     Returns the KL per policy, or None where the row cannot be self-tested (too short to decide at

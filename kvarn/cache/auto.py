@@ -28,7 +28,8 @@ import weakref
 
 import torch
 
-from ..auto import AutoSettings, LayerDecision, decide, fallback
+from ..auto import AutoSettings, decide
+from ..decision import LayerDecision, fallback
 from ..methods import EncodedKV, TileCodec
 from ..record import FIELD_ORDER, TileFields
 from ..selftest import self_test_positions, self_test_tokens, settle

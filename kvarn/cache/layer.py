@@ -12,56 +12,19 @@ forward that added them). ``crop`` therefore only ever removes tail tokens; a cr
 into the sink or a frozen tile raises ``ValueError``. Prefill tiles are frozen at the start of the
 first decode step, before that step reads them.
 
-Read path. ``update`` returns ``[B, Hk, L, D]`` in the model dtype: each row's sink, its tiles
-dequantized from the packed storage (re-decoded at every call; there is no full-precision copy of
-frozen tiles) and its tail, placed after the row's pads; pad slots are zeros (the attention mask
-hides them). The first update of an empty layer (the prefill) returns its input unchanged, so the
-prompt's own attention is exact.
+Read path: :mod:`kvarn.cache.read` (what ``update`` returns, and :class:`LayerView` for fused
+attention paths).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..config import KVarNConfig
 from ..methods import TileCodec
-from ..record import TileFields
 from .memory import dtype_name, empty_entry, memory_entry
+from .read import LayerView, assemble, layer_view
 from .store import TileStore, grown_capacity
-
-
-@dataclass(frozen=True)
-class LayerView:
-    """Read-only state of a :class:`KVarNLayer` (for fused attention paths).
-
-    Leading dims are ``[B, Hk]``; per-row counts are long ``[B]``; entries past a row's count are
-    unused. Sink and tail are full precision in the *model* frame and dtype (rotate them with
-    ``kvarn.codec.rotate_kv`` for the rotated frame, or score them with the un-rotated query, as
-    ``q k^T = q' k'^T``). Tiles are in the method's stored form; for kvarn they are in the rotated
-    frame. Row ``b`` reads, in sequence order: ``pads[b]`` pad slots, ``sink_lengths[b]`` sink
-    tokens, ``tile_counts[b]`` tiles of G tokens, ``tail_lengths[b]`` tail tokens.
-    """
-
-    method: str
-    config: KVarNConfig
-    length: int                      # sequence length as transformers sees it (pads included)
-    pads: torch.Tensor               # [B]
-    sink_k: torch.Tensor             # [B, Hk, S, D]
-    sink_v: torch.Tensor
-    sink_lengths: torch.Tensor       # [B]
-    tiles: TileFields | None         # integer methods: fields [B, Hk, N, ...]
-    tile_fields: dict                # any method: name -> [B, Hk, N, ...]
-    tile_counts: torch.Tensor        # [B]
-    tail_k: torch.Tensor             # [B, Hk, R, D]
-    tail_v: torch.Tensor
-    tail_lengths: torch.Tensor       # [B]
-    # kvarn-auto: bool [B, Hk], the frame of each head's tiles (None: all rotated, the spec), as
-    # kvarn.attention.decode_attention's key_rotated / value_rotated take them.
-    key_rotated: torch.Tensor | None = None
-    value_rotated: torch.Tensor | None = None
 
 
 class KVarNLayer(CacheLayerMixin):
@@ -246,51 +209,13 @@ class KVarNLayer(CacheLayerMixin):
             self._resize_tail(max(used, min(cap, self.tile)))
 
     def _assemble(self) -> tuple[torch.Tensor, torch.Tensor]:
-        g = self.tile
-        dk, dv = self.store.decode()
-        dk, dv = dk.to(self.dtype), dv.to(self.dtype)
-        layout = list(zip(self.pads, self.sink_len, self.store.counts, self.tail_len))
-        if len(set(layout)) == 1:
-            p, s, n, t = layout[0]
-            parts_k = [self.sink_k[:, :, :s], dk[:, :, : n * g], self.tail_k[:, :, :t]]
-            parts_v = [self.sink_v[:, :, :s], dv[:, :, : n * g], self.tail_v[:, :, :t]]
-            if p:
-                pad = self.sink_k.new_zeros(self.batch, self.heads, p, self.head_dim)
-                parts_k.insert(0, pad)
-                parts_v.insert(0, pad)
-            return torch.cat(parts_k, dim=2), torch.cat(parts_v, dim=2)
-        # Rows differ (left padding): one gather over [sink | decoded tiles | tail] instead of
-        # six slice copies per row, which cost thousands of kernel launches per step at batch 128.
-        src_k = torch.cat([self.sink_k, dk, self.tail_k], dim=2)
-        src_v = torch.cat([self.sink_v, dv, self.tail_v], dim=2)
-        s_cap, n_cap = self.sink_k.shape[2], dk.shape[2]
-        meta = torch.tensor([[p, s, n * g, t] for p, s, n, t in layout], device=self.device)
-        p, s, n, t = (meta[:, i, None] for i in range(4))  # each [B, 1]
-        r = torch.arange(self.length, device=self.device)[None, :] - p  # position within the row
-        idx = torch.where(r < s, r, torch.where(r < s + n, s_cap + r - s, s_cap + n_cap + r - s - n))
-        valid = (r >= 0) & (r < s + n + t)
-        idx = torch.where(valid, idx, 0)[:, None, :, None].expand(-1, self.heads, -1, self.head_dim)
-        hole = ~valid[:, None, :, None]
-        out_k = torch.gather(src_k, 2, idx).masked_fill_(hole, 0)
-        out_v = torch.gather(src_v, 2, idx).masked_fill_(hole, 0)
-        return out_k, out_v
+        """The dequantized history (:func:`kvarn.cache.read.assemble`)."""
+        return assemble(self)
 
     # read-only accessors ----------------------------------------------------------------------
-    def view(self) -> "LayerView":
+    def view(self) -> LayerView:
         """The stored state without copies (do not write to it). See :class:`LayerView`."""
-        if not self.is_initialized:
-            raise ValueError("the layer holds nothing yet (no update so far)")
-        long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        fields = self.store.view()
-        tiles = TileFields(**fields) if fields and "k_codes" in fields else None
-        s_max, r_max = max(self.sink_len), max(self.tail_len)
-        return LayerView(
-            method=self.codec.method.name, config=self.codec.config, length=self.length,
-            pads=long(self.pads),
-            sink_k=self.sink_k[:, :, :s_max], sink_v=self.sink_v[:, :, :s_max], sink_lengths=long(self.sink_len),
-            tiles=tiles, tile_fields=fields, tile_counts=long(self.store.counts),
-            tail_k=self.tail_k[:, :, :r_max], tail_v=self.tail_v[:, :, :r_max], tail_lengths=long(self.tail_len),
-        )
+        return layer_view(self)
 
     def memory(self) -> dict:
         """Bytes actually stored by this layer (see :meth:`kvarn.KVarNCache.memory_report`)."""
