@@ -23,6 +23,9 @@ which no user code should do):
   and after each side-stream launch, which gives each launch's window beside the step (the last
   freeze's replays, no profiler: :func:`windows`); ``<schedule>_gN``: the encodes of N layers
   started together, with one fork of the side stream and one wait (``freeze_schedule.fork_group``);
+  ``stand_<kind>_pP``: each side-stream encode replaced by ``study_encode_partitions``' Gluon
+  kernels on the launch's own tiles, rotated first by a Triton pass into an fp32 scratch (timing
+  only, like the spins: what an encoder of two 4-warp partitions a program would cost the step);
 - ``priority``: the captured step's stream at a higher priority than the side stream, with
   ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` (set by this script when a schedule asks for it) so that
   graph replays keep the captured streams' priorities: the block scheduler then dispatches the
@@ -96,6 +99,16 @@ SPINS = {  # name: (programs in all, µs each holds its SM, three tiles); otherw
 }
 SPINS["fork_only"] = (0, 0, False)  # the side stream's forks and joins with no kernel on it
 SCHEDULES.update({name: (DEFAULT, DEFAULT, None, False) for name in SPINS})
+# "stand_<kind>_pP": each side-stream encode launch replaced by study_encode_partitions' kernels on
+# the launch's own tiles (K and V), rotated first by a Triton pass into an fp32 scratch
+# (:func:`_rotate_kernel`; "_norot": that pass left out): "parts", P programs of two 4-warp
+# warp_specialize partitions; "one4", P programs of one 4-warp encode. A stand-in for a Gluon
+# encoder beside the step, timing only: its codes go to a scratch (the tokens are meaningless), and
+# both K and V are packed at the preset's key bits (the kernels take one width).
+STANDS = {f"stand_{kind}_p{p}{'' if rot else '_norot'}": (kind, p, rot)
+          for kind, p, rot in (("parts", 33, True), ("parts", 66, True), ("parts", 33, False),
+                               ("one4", 66, True), ("one4", 132, True), ("one4", 66, False))}
+SCHEDULES.update({name: (DEFAULT, DEFAULT, None, False) for name in STANDS})
 # "<schedule>_stamped": the same, with the GPU's clock stamped on the side stream before and after
 # each encode (or spin) launch, so that the row gives each launch's window beside the step in the
 # last freeze's replays, without a profiler (two one-thread launches more per encode).
@@ -131,6 +144,7 @@ from triton.language.extra.cuda import globaltimer  # noqa: E402
 import bench_e2e as be  # noqa: E402
 from kvarn import kernels  # noqa: E402
 from kvarn.integrations import hf_attention, hf_graph  # noqa: E402
+from kvarn.kernels.encode import _field_offset, _frame_rows, _load_tile  # noqa: E402
 
 try:  # the schedule's choices (this tree)
     from kvarn.integrations import freeze_schedule as SCHED  # noqa: E402
@@ -140,7 +154,8 @@ except ImportError:  # an older tree (the A/B comparisons): hf_graph's own funct
     HOOKS = {"early": "_early_layers", "programs": "_beside_programs", "group": "_fork_group"}
 
 
-def schedule(early, programs, options=None, priority=False, spin=None, stamp=False, group=None) -> None:
+def schedule(early, programs, options=None, priority=False, spin=None, stamp=False, group=None,
+             stand=None) -> None:
     """Set decode_greedy's choices (restored to its own by DEFAULT, None, False)."""
     if early == "all":
         setattr(SCHED, HOOKS["early"], lambda layers: len(layers))
@@ -161,6 +176,9 @@ def schedule(early, programs, options=None, priority=False, spin=None, stamp=Fal
     STEP_PRIORITY[0] = priority
     SPIN[0] = spin
     STAMP[0] = stamp
+    STAND[0] = stand
+    if stand is not None:  # the scratches and the kernels' compilation, outside any capture
+        _stand_setup()
     if spin is not None:  # the scratch output and the kernel's compilation, outside any capture
         if SPIN_OUT[0] is None:
             SPIN_OUT[0] = torch.empty(max(v[0] for v in SPINS.values()), device="cuda")
@@ -231,11 +249,74 @@ def _spin_kernel(out_ptr, NS: tl.constexpr, THREE: tl.constexpr):
     tl.store(out_ptr + tl.program_id(0), total + (t - t0).to(tl.float32))
 
 
+@triton.jit
+def _rotate_kernel(k_ptr, k_s0, k_s1, k_s2, k_sr, k_sc, v_ptr, v_s0, v_s1, v_s2, v_sr, v_sc, out_ptr, N1, N2,
+                   n_tiles, inv_sqrt_d, D: tl.constexpr, G: tl.constexpr):
+    """The stand-ins' rotation: tile ``t`` of K (``[D, G]``) to ``out[t]`` and of V (``[G, D]``) to
+    ``out[n_tiles + t]``, fp32 in the rotated frame, as the encoder rotates them in its kernel."""
+    tile = tl.program_id(0)
+    kv = tl.program_id(1)
+    i2 = tile % N2
+    i1 = (tile // N2) % N1
+    i0 = tile // (N1 * N2)
+    if kv == 0:
+        off = _field_offset(i0, i1, i2, k_s0, k_s1, k_s2)
+        x = tl.trans(_frame_rows(_load_tile(k_ptr, off, k_sc, k_sr, G, D), True, D, inv_sqrt_d))
+        rows = tl.arange(0, D)
+        cols = tl.arange(0, G)
+        dst = out_ptr + tile.to(tl.int64) * D * G + rows[:, None] * G + cols[None, :]
+    else:
+        off = _field_offset(i0, i1, i2, v_s0, v_s1, v_s2)
+        x = _frame_rows(_load_tile(v_ptr, off, v_sr, v_sc, G, D), True, D, inv_sqrt_d)
+        rows = tl.arange(0, G)
+        cols = tl.arange(0, D)
+        dst = out_ptr + (n_tiles + tile).to(tl.int64) * D * G + rows[:, None] * D + cols[None, :]
+    tl.store(dst, x)
+
+
+def _stand_setup() -> None:
+    """Scratches for a B 16 llama8b launch (8 KV heads, one tile each, K and V) and one warm-up
+    launch of each kernel on a tail of that shape (the compilations, outside any capture)."""
+    import study_encode_partitions as ep  # Gluon (triton 3.6 on the GPU): only the stand-ins need it
+    STAND_KERNELS.update(parts=ep._gluon_kernel, one4=ep._one_kernel)
+    n = 2 * ARGS.batch * 8
+    STAND_BUF.update(x=torch.randn(n, 128, 128, device="cuda"),
+                     out=(torch.empty(n, 128 // 2, 128, dtype=torch.uint8, device="cuda"),
+                          *(torch.empty(n, 128, dtype=torch.float16, device="cuda") for _ in range(3)),
+                          torch.zeros(1, dtype=torch.int32, device="cuda")))
+    tail = torch.randn(ARGS.batch, 8, 128, 128, dtype=torch.float16, device="cuda")
+    k = tail.reshape(ARGS.batch, 8, 1, 128, 128).transpose(-1, -2)
+    for bits in (2, 4):
+        _stand(k, tail.reshape(ARGS.batch, 8, 1, 128, 128), bits)
+    torch.cuda.synchronize()
+
+
+def _stand(k: torch.Tensor, v: torch.Tensor, bits: int) -> None:
+    """The stand-in for one side-stream encode launch of tiles ``k [b, h, n, D, G]``, ``v [b, h, n, G, D]``."""
+    kind, programs, rot = STAND[0]
+    b, h, n, d, g = k.shape
+    tiles = b * h * n
+    x = STAND_BUF["x"]
+    if 2 * tiles > x.shape[0] or d != 128 or g != 128:
+        raise ValueError(f"a stand-in takes at most {x.shape[0] // 2} tiles of 128 x 128, got {tiles} of {d} x {g}")
+    if rot:
+        _rotate_kernel[(tiles, 2)](k, *k.stride()[:3], k.stride(-2), k.stride(-1), v, *v.stride()[:3],
+                                   v.stride(-2), v.stride(-1), x, h, n, tiles, 1.0 / d ** 0.5, D=d, G=g,
+                                   num_warps=4)
+    STAND_KERNELS[kind][(programs,)](x, *STAND_BUF["out"], 2 * tiles, 128, 128, bits, 8, True,
+                                     num_warps=4)
+
+
 def _encode_tiles(*args, programs=None, **kwargs):
     """kernels.encode_tiles with the schedule's launch options for side-stream (capped) encodes."""
     if programs is not None and STAMP[0]:
         _stamp()
-    if programs is not None and SPIN[0] is not None:
+    if programs is not None and STAND[0] is not None:
+        out = kwargs.get("out", args[3] if len(args) > 3 else None)
+        if out is None:
+            raise ValueError("a stand-in schedule replaces encodes that write into given fields only")
+        _stand(args[0], args[1], args[2].key_bits)
+    elif programs is not None and SPIN[0] is not None:
         out = kwargs.get("out", args[3] if len(args) > 3 else None)
         if out is None:  # the cache's flush passes its record fields; nothing else is spun
             raise ValueError("a spin schedule replaces encodes that write into given fields only")
@@ -259,8 +340,10 @@ def _graphs_init(self, *args, **kwargs):
 def main(a) -> None:
     if a.repeats < 1:
         sys.exit(f"--repeats {a.repeats}: give at least 1 pass over the schedules")
-    if a.device == "cpu" and any(n in SPINS or n in STAMPED or GROUPS.get(n, ("",))[0] in SPINS for n in a.schedules):
-        sys.exit("the spin, fork_only and _stamped schedules run kernels of their own on the GPU: --device cuda only")
+    if a.device == "cpu" and any(n in SPINS or n in STANDS or n in STAMPED or GROUPS.get(n, ("",))[0] in SPINS
+                                 for n in a.schedules):
+        sys.exit("the spin, stand, fork_only and _stamped schedules run kernels of their own on the GPU: "
+                 "--device cuda only")
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device (use --device cpu --shape tiny for a check)")
     torch.manual_seed(0)
@@ -274,7 +357,8 @@ def main(a) -> None:
         for preset in a.presets:
             for name in [n for _ in range(a.repeats) for n in a.schedules]:
                 base, group = GROUPS.get(name, (STAMPED.get(name, name), None))
-                schedule(*SCHEDULES[name], spin=SPINS.get(base), stamp=name in STAMPED, group=group)
+                schedule(*SCHEDULES[name], spin=SPINS.get(base), stamp=name in STAMPED, group=group,
+                         stand=STANDS.get(name))
                 t0 = time.time()
                 r = be.run_one(model, f"kvarn_graph:{preset}", a.batch, ctx, a.new, 4096, a.device)
                 gaps, step = r["gaps_ms"], r["step_ms"]
@@ -313,6 +397,9 @@ STAMP: list = [False]  # the schedule stamps its side-stream launches
 STAMPS: list = [None, 0]  # the stamps' buffer (int64 ns), the next slot
 STAMP_SLOTS = 1 << 16
 STEP_PRIORITY = [False]
+STAND: list = [None]  # (kind, programs, rotate) of the stand-in schedules, else None
+STAND_BUF: dict = {}  # the stand-ins' fp32 tiles and scratch outputs (allocated by schedule())
+STAND_KERNELS: dict = {}
 kernels.encode_tiles = _encode_tiles
 hf_graph._Graphs.__init__ = _graphs_init
 
