@@ -89,6 +89,10 @@ SCHEDULES = {  # name: (early layers, programs, launch options, step stream prio
     "split_r128_prio": (DEFAULT, DEFAULT, R128, True),
     "split_uncapped_prio": (DEFAULT, None, None, True),
     "split_uncapped_w4_prio": (DEFAULT, None, W4, True),
+    # The side-stream encodes without their rotation (the tail's model-frame tiles taken as rotated:
+    # timing only, the tokens are meaningless): what the step would pay if the tail were rotated
+    # before the freeze (at the append).
+    "split_norot": (DEFAULT, DEFAULT, {"rotate": None}, False),
     "one_step_prio": ("all", None, None, True),
     "one_step_w4_prio": ("all", None, W4, True),
 }
