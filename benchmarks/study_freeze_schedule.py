@@ -11,7 +11,7 @@ which no user code should do):
 - ``programs``: the encoder's programs for K and for V per launch (None: one per tile, 128 at
   batch 16; default: decode_greedy's, a quarter of the SMs);
 - ``options``: the side-stream encodes' warps and register cap (None: the launch's own,
-  ``kvarn.kernels.encode._launch_options``);
+  ``kvarn.kernels.encode._launch_options``), or ``split_norot``'s rotation off (timing only);
 - ``spin``: no encoder at all: each side-stream encode launch is replaced by a kernel of P programs
   at 8 warps that holds its SMs for T µs and writes nothing (the tiles are not encoded, so the
   tokens are meaningless: timing only). What the step pays for SMs held for a time, whatever runs
@@ -180,9 +180,9 @@ def schedule(early, programs, options=None, priority=False, spin=None, stamp=Fal
     STEP_PRIORITY[0] = priority
     SPIN[0] = spin
     STAMP[0] = stamp
-    STAND[0] = stand
     if stand is not None:  # the scratches and the kernels' compilation, outside any capture
         _stand_setup()
+    STAND[0] = stand
     if spin is not None:  # the scratch output and the kernel's compilation, outside any capture
         if SPIN_OUT[0] is None:
             SPIN_OUT[0] = torch.empty(max(v[0] for v in SPINS.values()), device="cuda")
@@ -280,7 +280,10 @@ def _rotate_kernel(k_ptr, k_s0, k_s1, k_s2, k_sr, k_sc, v_ptr, v_s0, v_s1, v_s2,
 
 def _stand_setup() -> None:
     """Scratches for a B 16 llama8b launch (8 KV heads, one tile each, K and V) and one warm-up
-    launch of each kernel on a tail of that shape (the compilations, outside any capture)."""
+    launch of each kernel on a tail of that shape (the compilations, outside any capture); once a
+    run, as the spins' scratch."""
+    if STAND_BUF:
+        return
     import study_encode_partitions as ep  # Gluon (triton 3.6 on the GPU): only the stand-ins need it
     STAND_KERNELS.update(parts=ep._gluon_kernel, one4=ep._one_kernel)
     n = 2 * ARGS.batch * 8
@@ -290,8 +293,10 @@ def _stand_setup() -> None:
                           torch.zeros(1, dtype=torch.int32, device="cuda")))
     tail = torch.randn(ARGS.batch, 8, 128, 128, dtype=torch.float16, device="cuda")
     k = tail.reshape(ARGS.batch, 8, 1, 128, 128).transpose(-1, -2)
-    for bits in (2, 4):
-        _stand(k, tail.reshape(ARGS.batch, 8, 1, 128, 128), bits)
+    for kind in STAND_KERNELS:  # every kernel and width the stand-ins launch (the rotation pass too)
+        STAND[0] = (kind, 1, True)
+        for bits in (2, 4):
+            _stand(k, tail.reshape(ARGS.batch, 8, 1, 128, 128), bits)
     torch.cuda.synchronize()
 
 
@@ -315,16 +320,14 @@ def _encode_tiles(*args, programs=None, **kwargs):
     """kernels.encode_tiles with the schedule's launch options for side-stream (capped) encodes."""
     if programs is not None and STAMP[0]:
         _stamp()
-    if programs is not None and STAND[0] is not None:
+    if programs is not None and (STAND[0] is not None or SPIN[0] is not None):
         out = kwargs.get("out", args[3] if len(args) > 3 else None)
-        if out is None:
-            raise ValueError("a stand-in schedule replaces encodes that write into given fields only")
-        _stand(args[0], args[1], args[2].key_bits)
-    elif programs is not None and SPIN[0] is not None:
-        out = kwargs.get("out", args[3] if len(args) > 3 else None)
-        if out is None:  # the cache's flush passes its record fields; nothing else is spun
-            raise ValueError("a spin schedule replaces encodes that write into given fields only")
-        _spin(*SPIN[0])
+        if out is None:  # the cache's flush passes its record fields; nothing else is replaced
+            raise ValueError("a spin or stand-in schedule replaces encodes that write into given fields only")
+        if STAND[0] is not None:
+            _stand(args[0], args[1], args[2].key_bits)
+        else:
+            _spin(*SPIN[0])
     else:
         if programs is not None:
             kwargs.update(BESIDE_OPTIONS)
