@@ -23,9 +23,12 @@ which no user code should do):
   and after each side-stream launch, which gives each launch's window beside the step (the last
   freeze's replays, no profiler: :func:`windows`); ``<schedule>_gN``: the encodes of N layers
   started together, with one fork of the side stream and one wait (``freeze_schedule.fork_group``);
-  ``stand_<kind>_pP``: each side-stream encode replaced by ``study_encode_partitions``' Gluon
-  kernels on the launch's own tiles, rotated first by a Triton pass into an fp32 scratch (timing
-  only, like the spins: what an encoder of two 4-warp partitions a program would cost the step);
+  ``<schedule>_preT`` / ``_postT``: a one-warp launch that waits T µs before (after) each side-stream
+  launch; ``<schedule>_nolead``: without ``freeze_schedule.lead_in``'s empty launch after each fork
+  (the schedule before session 31); ``stand_<kind>_pP``: each side-stream encode replaced by
+  ``study_encode_partitions``' Gluon kernels on the launch's own tiles, rotated first by a Triton
+  pass into an fp32 scratch (timing only, like the spins: what an encoder of two 4-warp
+  partitions a program would cost the step);
 - ``priority``: the captured step's stream at a higher priority than the side stream, with
   ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` (set by this script when a schedule asks for it) so that
   graph replays keep the captured streams' priorities: the block scheduler then dispatches the
@@ -122,6 +125,20 @@ SCHEDULES.update({name: SCHEDULES[base] for name, base in STAMPED.items()})
 # stream and one wait of the step's stream for them (freeze_schedule.fork_group; the default is 1).
 GROUPS = {f"{name}_g{g}": (name, g) for name in ("split", "fork_only", "spin1_p1_t1") for g in (2, 4, 8)}
 SCHEDULES.update({name: SCHEDULES[base] for name, (base, _) in GROUPS.items()})
+# "<schedule>_preT" / "_postT": a one-warp kernel on the side stream before (after) each encode (or
+# spin) launch that waits T µs on the GPU's clock (T 0: it only writes the clock, as a stamp does).
+# Session 31 found the _stamped schedules cheaper than their plain ones (the encodes' start a
+# launch later beside the step's next GEMM): these split the stamps' two launches and try a
+# longer start delay.
+DELAYS = {f"{name}_{where}{t}": (name, where, t)
+          for name, where, t in [("split", "pre", t) for t in (0, 3, 6, 12, 24, 48)]
+          + [("split", "post", 0), ("split_p44", "pre", 0), ("split_p66", "pre", 0), ("split_p66", "pre", 6),
+             ("split_p24", "pre", 0), ("spin_p66_t220", "pre", 0), ("spin_p66_t220", "pre", 12)]}
+SCHEDULES.update({name: SCHEDULES[base] for name, (base, _, _) in DELAYS.items()})
+# "<schedule>_nolead": without freeze_schedule.lead_in's empty launch ahead of the side stream's
+# encodes (the schedule before session 31).
+NOLEAD = {f"{name}_nolead": name for name in ("split", "split_stamped", "split_pre0", "spin_p66_t220")}
+SCHEDULES.update({name: SCHEDULES[base] for name, base in NOLEAD.items()})
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--contexts", nargs="+", type=int, default=[32768])
@@ -159,8 +176,12 @@ except ImportError:  # an older tree (the A/B comparisons): hf_graph's own funct
 
 
 def schedule(early, programs, options=None, priority=False, spin=None, stamp=False, group=None,
-             stand=None) -> None:
+             stand=None, delay=None, lead=True) -> None:
     """Set decode_greedy's choices (restored to its own by DEFAULT, None, False)."""
+    if OWN_LEAD is not None:  # a tree before session 31 has no lead-in launch
+        SCHED.lead_in = OWN_LEAD if lead else (lambda device: None)
+    elif not lead:
+        raise ValueError("the _nolead schedules need a kvarn with freeze_schedule.lead_in")
     if early == "all":
         setattr(SCHED, HOOKS["early"], lambda layers: len(layers))
     elif isinstance(early, int):
@@ -188,6 +209,12 @@ def schedule(early, programs, options=None, priority=False, spin=None, stamp=Fal
             SPIN_OUT[0] = torch.empty(max(v[0] for v in SPINS.values()), device="cuda")
         _spin(*spin)
         torch.cuda.synchronize()
+    DELAY[0] = delay
+    if delay is not None:  # the wait kernel's scratch and compilation, outside any capture
+        if DELAY_OUT[0] is None:
+            DELAY_OUT[0] = torch.zeros(1, dtype=torch.int64, device="cuda")
+        _delay()
+        torch.cuda.synchronize()
     if stamp:  # the same for the stamps: a fresh buffer, one slot per launch in the run's order
         STAMPS[0] = torch.zeros(STAMP_SLOTS, dtype=torch.int64, device="cuda")
         STAMPS[1] = 0
@@ -212,6 +239,20 @@ def _stamp() -> None:
         raise RuntimeError(f"more than {STAMP_SLOTS} stamped launches in one run")
     _stamp_kernel[(1,)](STAMPS[0], STAMPS[1], num_warps=1)
     STAMPS[1] += 1
+
+
+@triton.jit
+def _wait_kernel(out_ptr, NS: tl.constexpr):
+    """One warp: wait NS ns on the GPU's clock, then write the clock (NS 0: write it at once)."""
+    t0 = globaltimer()
+    t = t0
+    while t - t0 < NS:
+        t = globaltimer()
+    tl.store(out_ptr, t)
+
+
+def _delay() -> None:
+    _wait_kernel[(1,)](DELAY_OUT[0], NS=int(DELAY[0][1] * 1000), num_warps=1)
 
 
 def windows(stamps: list[int], step_ms: float) -> list[float]:
@@ -320,6 +361,8 @@ def _encode_tiles(*args, programs=None, **kwargs):
     """kernels.encode_tiles with the schedule's launch options for side-stream (capped) encodes."""
     if programs is not None and STAMP[0]:
         _stamp()
+    if programs is not None and DELAY[0] is not None and DELAY[0][0] == "pre":
+        _delay()
     if programs is not None and (STAND[0] is not None or SPIN[0] is not None):
         out = kwargs.get("out", args[3] if len(args) > 3 else None)
         if out is None:  # the cache's flush passes its record fields; nothing else is replaced
@@ -332,6 +375,8 @@ def _encode_tiles(*args, programs=None, **kwargs):
         if programs is not None:
             kwargs.update(BESIDE_OPTIONS)
         out = OWN_ENCODE(*args, programs=programs, **kwargs)
+    if programs is not None and DELAY[0] is not None and DELAY[0][0] == "post":
+        _delay()
     if programs is not None and STAMP[0]:
         _stamp()
     return out
@@ -347,9 +392,10 @@ def _graphs_init(self, *args, **kwargs):
 def main(a) -> None:
     if a.repeats < 1:
         sys.exit(f"--repeats {a.repeats}: give at least 1 pass over the schedules")
-    if a.device == "cpu" and any(n in SPINS or n in STANDS or n in STAMPED or GROUPS.get(n, ("",))[0] in SPINS
-                                 for n in a.schedules):
-        sys.exit("the spin, stand, fork_only and _stamped schedules run kernels of their own on the GPU: "
+    own_kernels = (n in SPINS or n in STANDS or n in STAMPED or n in DELAYS or GROUPS.get(n, ("",))[0] in SPINS
+                   for n in (NOLEAD.get(m, m) for m in a.schedules))
+    if a.device == "cpu" and any(own_kernels):
+        sys.exit("the spin, stand, fork_only, _stamped and _pre / _post schedules run kernels of their own on the GPU: "
                  "--device cuda only")
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device (use --device cpu --shape tiny for a check)")
@@ -363,9 +409,13 @@ def main(a) -> None:
     for ctx in a.contexts:
         for preset in a.presets:
             for name in [n for _ in range(a.repeats) for n in a.schedules]:
-                base, group = GROUPS.get(name, (STAMPED.get(name, name), None))
-                schedule(*SCHEDULES[name], spin=SPINS.get(base), stamp=name in STAMPED, group=group,
-                         stand=STANDS.get(name))
+                lead = name not in NOLEAD
+                name_ = NOLEAD.get(name, name)
+                base, group = GROUPS.get(name_, (STAMPED.get(name_, name_), None))
+                base = DELAYS[name_][0] if name_ in DELAYS else base
+                schedule(*SCHEDULES[name], spin=SPINS.get(base), stamp=name_ in STAMPED, group=group,
+                         stand=STANDS.get(name_), delay=DELAYS[name_][1:] if name_ in DELAYS else None,
+                         lead=lead)
                 t0 = time.time()
                 r = be.run_one(model, f"kvarn_graph:{preset}", a.batch, ctx, a.new, 4096, a.device)
                 gaps, step = r["gaps_ms"], r["step_ms"]
@@ -375,7 +425,7 @@ def main(a) -> None:
                 row = dict(schedule=name, context=ctx, batch=a.batch, preset=preset, step_ms=step,
                            fill_over=fill, flush_over=flush, worst=max(fill + flush, default=None),
                            seconds=time.time() - t0)
-                if name in STAMPED:
+                if name_ in STAMPED:
                     w = windows(STAMPS[0][: STAMPS[1]].tolist(), step)
                     row.update(windows_us=w, window_median_us=float(np.median(w)) if w else None)
                 rows.append(row)
@@ -396,6 +446,7 @@ def main(a) -> None:
 
 
 OWN = [getattr(SCHED, HOOKS[k], None) for k in ("early", "programs", "group")]  # decode_greedy's own
+OWN_LEAD = getattr(SCHED, "lead_in", None)
 OWN_ENCODE, OWN_GRAPHS_INIT = kernels.encode_tiles, hf_graph._Graphs.__init__
 BESIDE_OPTIONS: dict = {}
 SPIN: list = [None]  # (programs, µs, three tiles) of the spin schedules, else None
@@ -404,6 +455,8 @@ STAMP: list = [False]  # the schedule stamps its side-stream launches
 STAMPS: list = [None, 0]  # the stamps' buffer (int64 ns), the next slot
 STAMP_SLOTS = 1 << 16
 STEP_PRIORITY = [False]
+DELAY: list = [None]  # ("pre" or "post", µs) of the _preT / _postT schedules, else None
+DELAY_OUT: list = [None]  # the wait kernel's scratch output
 STAND: list = [None]  # (kind, programs, rotate) of the stand-in schedules, else None
 STAND_BUF: dict = {}  # the stand-ins' fp32 tiles and scratch outputs (allocated by schedule())
 STAND_KERNELS: dict = {}

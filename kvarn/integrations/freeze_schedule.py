@@ -4,8 +4,9 @@ read, and on how much of the GPU (:func:`kvarn.integrations.hf_graph.decode_gree
 The freeze of a batch-16 step (a program for every SM in each layer's encode) would cost that step
 16% in one piece, so it is shared by the ``fill`` step (whose token completes the tiles) and the
 ``flush`` step (which freezes them), on a side CUDA stream. Each figure here is measured on the H200
-(BENCHMARKS.md: the freeze step); ``benchmarks/study_freeze_schedule.py`` replaces these functions
-to try others, which no user code should do.
+(BENCHMARKS.md: the freeze step), except lead_in's and fork_group's (an H100);
+``benchmarks/study_freeze_schedule.py`` replaces these functions to try others, which no user code
+should do.
 """
 
 from __future__ import annotations
@@ -24,11 +25,28 @@ def beside_programs(device: torch.device) -> int:
     return max(1, num_sms(device) // BESIDE)
 
 
+def lead_in(device: torch.device) -> None:
+    """The side stream's first launch after a fork, before the encodes: one empty program.
+
+    A fork at a layer's read makes the encodes and the step's next kernel (the output projection,
+    a GEMM of one block an SM) ready at the same moment, the read's end. The likely reason for the
+    gain (measured, not profiled): started first, the encodes take SMs that GEMM then waits for,
+    and one empty launch ahead of them lets the GEMM place its blocks first. Measured (BENCHMARKS.md: the freeze step, session 31, an H100, k4v2 and k2v2): the B 16
+    freeze steps +1.5-2.1% at 8K and +1.0-1.6% at 32K against +2.4-2.8% and +1.6-2.3% without it,
+    at B 1 +0.3-0.8% against +0.6-1.8%; a wait of 3-6 µs in its place reads the same, 12-24 µs
+    costs more, 48 µs all of the gain. (A launch after the encodes gains nothing.)"""
+    from ..kernels.layout import launch_empty
+
+    with torch.cuda.device(device):
+        launch_empty()
+
+
 def fork_group(layers: list) -> int:
     """How many layers' encodes one attention read starts with one fork of the side stream
     (FusedKVarNLayer.read_done), and, in the flush step, one wait of the step's stream covers: 1,
-    each layer's encode its own fork and wait (the schedule measured so far); the study of the
-    freeze step tries more (BENCHMARKS.md). At most the early layers."""
+    each layer's encode its own fork and wait. Groups of 2, 4 and 8 cost the B 16 freeze steps
+    more (session 31, an H100, before lead_in: +3.1-5.5% against +1.7-3.0%), though their forks
+    and waits alone cost less (BENCHMARKS.md). At most the early layers."""
     return 1
 
 

@@ -23,6 +23,7 @@ from ..cache import KVarNLayer
 from ..cache.auto import KVarNAutoLayer
 from ..methods import TileCodec
 from ..record import TileFields, record_layout
+from . import freeze_schedule
 
 
 class FusedKVarNLayer(KVarNLayer):
@@ -324,6 +325,7 @@ def _start_encodes(layers: tuple[FusedKVarNLayer, ...], stream: torch.cuda.Strea
         return
     stream.wait_stream(torch.cuda.current_stream(due[0][0].device))
     with torch.cuda.stream(stream):
+        freeze_schedule.lead_in(due[0][0].device)  # the step's next kernel places its blocks first
         for x, n in due:
             x._encode_due(n, x.ahead_programs)
         event = torch.cuda.Event()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
 
 from ..config import KVarNConfig
 from ..record import FIELD_ORDER, TileFields
@@ -80,3 +81,14 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+@triton.jit
+def _empty_kernel():
+    pass
+
+
+def launch_empty() -> None:
+    """One empty one-warp program on the current stream: a launch that does nothing but take its
+    place in the stream's order (:func:`kvarn.integrations.freeze_schedule.lead_in`)."""
+    _empty_kernel[(1,)](num_warps=1)

@@ -219,3 +219,37 @@ def test_flush_ahead_waits_on_both_streams(model, mode, group, monkeypatch):
                 assert torch.equal(a[name], b[name]), name
     else:  # two captures: the logit bound of the capture tests above
         assert_same_decoding(*runs[True][:2], *runs[False][:2])
+
+
+def test_side_stream_encodes_start_after_an_empty_launch(model, monkeypatch):
+    """Each fork of the side stream launches freeze_schedule.lead_in's empty program before its
+    encodes, on the same side stream (the step's next kernel then places its blocks first:
+    BENCHMARKS.md, the freeze step). Recorded eagerly: every lead-in, then each encode, with the
+    stream it was queued on."""
+    from kvarn.integrations import freeze_schedule, fused_layer, hf_attention
+
+    order = []
+    lead_in, encode_due = freeze_schedule.lead_in, fused_layer.FusedKVarNLayer._encode_due
+
+    def spy_lead(device):
+        order.append(("lead", torch.cuda.current_stream(device)))
+        lead_in(device)
+
+    def spy_encode(self, n, programs=None):
+        order.append(("encode", torch.cuda.current_stream(self.device)))
+        encode_due(self, n, programs)
+
+    monkeypatch.setattr(freeze_schedule, "lead_in", spy_lead)
+    monkeypatch.setattr(fused_layer.FusedKVarNLayer, "_encode_due", spy_encode)
+    ids = torch.randint(0, 1000, (2, PROMPT), device="cuda")
+    hf_attention.use_fused(model)
+    try:
+        cache = hf_attention.fused_cache(model, "k4v2_g128", max_length=PROMPT + NEW)
+        decode_with_logits(model, cache, ids, "none")
+    finally:
+        model.set_attn_implementation("sdpa")
+    step_stream = torch.cuda.current_stream()
+    side = [(kind, s) for kind, s in order if s != step_stream]
+    # Two tiles freeze while decoding, each layer's encode started by its own fork (group 1).
+    assert [kind for kind, _ in side] == ["lead", "encode"] * (2 * len(cache.layers))
+    assert all(s == side[0][1] for _, s in side)  # one side stream, the encodes' own
