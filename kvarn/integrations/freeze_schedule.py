@@ -31,10 +31,12 @@ def lead_in(device: torch.device) -> None:
     A fork at a layer's read makes the encodes and the step's next kernel (the output projection,
     a GEMM of one block an SM) ready at the same moment, the read's end. The likely reason for the
     gain (measured, not profiled): started first, the encodes take SMs that GEMM then waits for,
-    and one empty launch ahead of them lets the GEMM place its blocks first. Measured (BENCHMARKS.md: the freeze step, session 31, an H100, k4v2 and k2v2): the B 16
-    freeze steps +1.5-2.1% at 8K and +1.0-1.6% at 32K against +2.4-2.8% and +1.6-2.3% without it,
-    at B 1 +0.3-0.8% against +0.6-1.8%; a wait of 3-6 µs in its place reads the same, 12-24 µs
-    costs more, 48 µs all of the gain. (A launch after the encodes gains nothing.)"""
+    and one empty launch ahead of them lets the GEMM place its blocks first.
+
+    Measured (BENCHMARKS.md: the freeze step; session 31, an H100, k4v2 and k2v2): the B 16 freeze
+    steps +1.5-2.1% at 8K and +1.0-1.6% at 32K against +2.4-2.8% and +1.6-2.3% without it, at B 1
+    +0.3-0.8% against +0.6-1.8%. A wait of 3-6 µs in its place reads the same, 12-24 µs costs more,
+    48 µs gives all of the gain back, and a launch after the encodes gains nothing."""
     from ..kernels.layout import launch_empty
 
     with torch.cuda.device(device):
