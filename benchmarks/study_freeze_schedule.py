@@ -24,7 +24,8 @@ which no user code should do):
   freeze's replays, no profiler: :func:`windows`); ``<schedule>_gN``: the encodes of N layers
   started together, with one fork of the side stream and one wait (``freeze_schedule.fork_group``);
   ``<schedule>_preT`` / ``_postT``: a one-warp launch that waits T µs before (after) each side-stream
-  launch; ``<schedule>_nolead``: without ``freeze_schedule.lead_in``'s empty launch after each fork
+  launch; ``split_rowsR``: each side-stream encode as R launches over parts of the batch's rows,
+  the lead-in ahead of each; ``<schedule>_nolead``: without ``freeze_schedule.lead_in``'s empty launch after each fork
   (the schedule before session 31); ``stand_<kind>_pP``: each side-stream encode replaced by
   ``study_encode_partitions``' Gluon kernels on the launch's own tiles, rotated first by a Triton
   pass into an fp32 scratch (timing only, like the spins: what an encoder of two 4-warp
@@ -135,6 +136,15 @@ DELAYS = {f"{name}_{where}{t}": (name, where, t)
           + [("split", "post", 0), ("split_p44", "pre", 0), ("split_p66", "pre", 0), ("split_p66", "pre", 6),
              ("split_p24", "pre", 0), ("spin_p66_t220", "pre", 0), ("spin_p66_t220", "pre", 12)]}
 SCHEDULES.update({name: SCHEDULES[base] for name, (base, _, _) in DELAYS.items()})
+# "split_rowsR": each side-stream encode launch made R launches, one for each R-th of the batch's
+# rows (the same tiles into the same slots: the same bits), lead_in's empty launch ahead of each,
+# so that between rounds the step's pending GEMM blocks place theirs before the encodes take SMs
+# again (session 31's lead-in at every tile round instead of once a fork); "_prio": with the
+# step's stream at the higher priority, as "split_prio".
+ROWS = {f"split_rows{r}": r for r in (2, 4, 8)}
+SCHEDULES.update({name: (DEFAULT, DEFAULT, None, False) for name in ROWS})
+ROWS["split_rows4_prio"] = 4
+SCHEDULES["split_rows4_prio"] = (DEFAULT, DEFAULT, None, True)
 # "<schedule>_nolead": without freeze_schedule.lead_in's empty launch ahead of the side stream's
 # encodes (the schedule before session 31).
 NOLEAD = {f"{name}_nolead": name for name in ("split", "split_stamped", "split_pre0", "spin_p66_t220")}
@@ -176,8 +186,9 @@ except ImportError:  # an older tree (the A/B comparisons): hf_graph's own funct
 
 
 def schedule(early, programs, options=None, priority=False, spin=None, stamp=False, group=None,
-             stand=None, delay=None, lead=True) -> None:
+             stand=None, delay=None, lead=True, rows=None) -> None:
     """Set decode_greedy's choices (restored to its own by DEFAULT, None, False)."""
+    ROUNDS[0] = rows
     if OWN_LEAD is not None:  # a tree before session 31 has no lead-in launch
         SCHED.lead_in = OWN_LEAD if lead else (lambda device: None)
     elif not lead:
@@ -371,6 +382,8 @@ def _encode_tiles(*args, programs=None, **kwargs):
             _stand(args[0], args[1], args[2].key_bits)
         else:
             _spin(*SPIN[0])
+    elif programs is not None and ROUNDS[0]:
+        out = _encode_rounds(*args, programs=programs, **kwargs)
     else:
         if programs is not None:
             kwargs.update(BESIDE_OPTIONS)
@@ -379,6 +392,26 @@ def _encode_tiles(*args, programs=None, **kwargs):
         _delay()
     if programs is not None and STAMP[0]:
         _stamp()
+    return out
+
+
+def _encode_rounds(k, v, config, out=None, *, programs, **kwargs):
+    """One side-stream encode as ``ROUNDS[0]`` launches over equal parts of the batch's rows (the
+    cache's flush passes its fields and a slot), the schedule's lead-in ahead of each but the first
+    (the fork's own is ahead of that one): the same tiles into the same slots."""
+    rounds, b = ROUNDS[0], k.shape[0]
+    if out is None or k.dim() != 5 or b % rounds:
+        raise ValueError(f"a rows schedule splits a flush into its fields, {rounds} equal parts of the rows; "
+                         f"got {b} rows" + ("" if out is not None else " and no fields"))
+    part = b // rounds
+    kwargs.update(BESIDE_OPTIONS)
+    for lo in range(0, b, part):
+        if lo:
+            SCHED.lead_in(k.device)
+        rows = slice(lo, lo + part)
+        kw = {key: tuple(x[rows] for x in val) if key in ("normalize", "rotate") and isinstance(val, tuple) else val
+              for key, val in kwargs.items()}
+        OWN_ENCODE(k[rows], v[rows], config, out.map(lambda x: x[rows]), programs=programs, **kw)
     return out
 
 
@@ -392,10 +425,10 @@ def _graphs_init(self, *args, **kwargs):
 def main(a) -> None:
     if a.repeats < 1:
         sys.exit(f"--repeats {a.repeats}: give at least 1 pass over the schedules")
-    own_kernels = (n in SPINS or n in STANDS or n in STAMPED or n in DELAYS or GROUPS.get(n, ("",))[0] in SPINS
-                   for n in (NOLEAD.get(m, m) for m in a.schedules))
+    own_kernels = (n in SPINS or n in STANDS or n in STAMPED or n in DELAYS or n in ROWS
+                   or GROUPS.get(n, ("",))[0] in SPINS for n in (NOLEAD.get(m, m) for m in a.schedules))
     if a.device == "cpu" and any(own_kernels):
-        sys.exit("the spin, stand, fork_only, _stamped and _pre / _post schedules run kernels of their own on the GPU: "
+        sys.exit("the spin, stand, fork_only, _stamped, _pre / _post and rows schedules run on the GPU only: "
                  "--device cuda only")
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device (use --device cpu --shape tiny for a check)")
@@ -415,7 +448,7 @@ def main(a) -> None:
                 base = DELAYS[name_][0] if name_ in DELAYS else base
                 schedule(*SCHEDULES[name], spin=SPINS.get(base), stamp=name_ in STAMPED, group=group,
                          stand=STANDS.get(name_), delay=DELAYS[name_][1:] if name_ in DELAYS else None,
-                         lead=lead)
+                         lead=lead, rows=ROWS.get(name_))
                 t0 = time.time()
                 r = be.run_one(model, f"kvarn_graph:{preset}", a.batch, ctx, a.new, 4096, a.device)
                 gaps, step = r["gaps_ms"], r["step_ms"]
@@ -455,6 +488,7 @@ STAMP: list = [False]  # the schedule stamps its side-stream launches
 STAMPS: list = [None, 0]  # the stamps' buffer (int64 ns), the next slot
 STAMP_SLOTS = 1 << 16
 STEP_PRIORITY = [False]
+ROUNDS: list = [None]  # the split_rowsR schedules' rounds, else None
 DELAY: list = [None]  # ("pre" or "post", µs) of the _preT / _postT schedules, else None
 DELAY_OUT: list = [None]  # the wait kernel's scratch output
 STAND: list = [None]  # (kind, programs, rotate) of the stand-in schedules, else None
