@@ -221,7 +221,7 @@ def schedule(early, programs, options=None, priority=False, spin=None, stamp=Fal
         _spin(*spin)
         torch.cuda.synchronize()
     DELAY[0] = delay
-    if delay is not None:  # the wait kernel's scratch and compilation, outside any capture
+    if delay is not None:  # the wait's scratch and compilation, outside any capture
         if DELAY_OUT[0] is None:
             DELAY_OUT[0] = torch.zeros(1, dtype=torch.int64, device="cuda")
         _delay()
@@ -240,9 +240,15 @@ def _spin(programs: int, us: float, three: bool) -> None:
 
 
 @triton.jit(do_not_specialize=["i"])
-def _stamp_kernel(buf_ptr, i):
-    """buf[i] = the GPU's clock (ns), from one thread: when the launches queued before it on its stream are done."""
-    tl.store(buf_ptr + i, globaltimer())
+def _stamp_kernel(buf_ptr, i, NS: tl.constexpr = 0):
+    """buf[i] = the GPU's clock (ns), from one thread: when the launches queued before it on its
+    stream are done, or NS ns after that (the _preT / _postT schedules' wait)."""
+    t = globaltimer()
+    if NS > 0:
+        t0 = t
+        while t - t0 < NS:
+            t = globaltimer()
+    tl.store(buf_ptr + i, t)
 
 
 def _stamp() -> None:
@@ -252,18 +258,8 @@ def _stamp() -> None:
     STAMPS[1] += 1
 
 
-@triton.jit
-def _wait_kernel(out_ptr, NS: tl.constexpr):
-    """One warp: wait NS ns on the GPU's clock, then write the clock (NS 0: write it at once)."""
-    t0 = globaltimer()
-    t = t0
-    while t - t0 < NS:
-        t = globaltimer()
-    tl.store(out_ptr, t)
-
-
 def _delay() -> None:
-    _wait_kernel[(1,)](DELAY_OUT[0], NS=int(DELAY[0][1] * 1000), num_warps=1)
+    _stamp_kernel[(1,)](DELAY_OUT[0], 0, NS=int(DELAY[0][1] * 1000), num_warps=1)
 
 
 def windows(stamps: list[int], step_ms: float) -> list[float]:
@@ -400,9 +396,11 @@ def _encode_rounds(k, v, config, out=None, *, programs, **kwargs):
     cache's flush passes its fields and a slot), the schedule's lead-in ahead of each but the first
     (the fork's own is ahead of that one): the same tiles into the same slots."""
     rounds, b = ROUNDS[0], k.shape[0]
-    if out is None or k.dim() != 5 or b % rounds:
-        raise ValueError(f"a rows schedule splits a flush into its fields, {rounds} equal parts of the rows; "
-                         f"got {b} rows" + ("" if out is not None else " and no fields"))
+    if out is None:
+        raise ValueError("a rows schedule splits the cache's flush, which passes its fields; got no fields")
+    if b % rounds:
+        raise ValueError(f"a rows schedule splits the batch's {b} rows into {rounds} equal parts; "
+                         f"{b} is not a multiple of {rounds}")
     part = b // rounds
     kwargs.update(BESIDE_OPTIONS)
     for lo in range(0, b, part):
@@ -490,7 +488,7 @@ STAMP_SLOTS = 1 << 16
 STEP_PRIORITY = [False]
 ROUNDS: list = [None]  # the split_rowsR schedules' rounds, else None
 DELAY: list = [None]  # ("pre" or "post", µs) of the _preT / _postT schedules, else None
-DELAY_OUT: list = [None]  # the wait kernel's scratch output
+DELAY_OUT: list = [None]  # the wait's scratch output (its clock)
 STAND: list = [None]  # (kind, programs, rotate) of the stand-in schedules, else None
 STAND_BUF: dict = {}  # the stand-ins' fp32 tiles and scratch outputs (allocated by schedule())
 STAND_KERNELS: dict = {}
