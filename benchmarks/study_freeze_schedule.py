@@ -29,7 +29,13 @@ which no user code should do):
   (the schedule before session 31); ``stand_<kind>_pP``: each side-stream encode replaced by
   ``study_encode_partitions``' Gluon kernels on the launch's own tiles, rotated first by a Triton
   pass into an fp32 scratch (timing only, like the spins: what an encoder of two 4-warp
-  partitions a program would cost the step);
+  partitions a program would cost the step); ``split_greenN``: the side stream made a stream of a
+  CUDA green context of N SMs (``freeze_schedule.side_stream``), the encodes N programs for K and
+  N for V at 4 warps, so that two programs share each of its SMs (alone, two 4-warp programs an
+  SM take about half the SM-time a tile of one program an SM: BENCHMARKS.md, sessions 22 and 30),
+  where on a plain stream the block scheduler gives each program an SM of its own (``_w8``: 8
+  warps, one program an SM, N / 2 programs each); the run's JSON has each green context's
+  ``confined`` check (eager and captured: does a launch on its stream stay on its N SMs?);
 - ``priority``: the captured step's stream at a higher priority than the side stream, with
   ``CUDA_GRAPHS_USE_NODE_PRIORITY=1`` (set by this script when a schedule asks for it) so that
   graph replays keep the captured streams' priorities: the block scheduler then dispatches the
@@ -117,11 +123,6 @@ STANDS = {f"stand_{kind}_p{p}{'' if rot else '_norot'}": (kind, p, rot)
           for kind, p, rot in (("parts", 33, True), ("parts", 66, True), ("parts", 33, False),
                                ("one4", 66, True), ("one4", 132, True), ("one4", 66, False))}
 SCHEDULES.update({name: (DEFAULT, DEFAULT, None, False) for name in STANDS})
-# "<schedule>_stamped": the same, with the GPU's clock stamped on the side stream before and after
-# each encode (or spin) launch, so that the row gives each launch's window beside the step in the
-# last freeze's replays, without a profiler (two one-thread launches more per encode).
-STAMPED = {f"{name}_stamped": name for name in ("split", "spin_p66_t220", "spin1_p66_t220", "spin_p33_t220")}
-SCHEDULES.update({name: SCHEDULES[base] for name, base in STAMPED.items()})
 # "<schedule>_gN": the same with the encodes of N layers started together, one fork of the side
 # stream and one wait of the step's stream for them (freeze_schedule.fork_group; the default is 1).
 GROUPS = {f"{name}_g{g}": (name, g) for name in ("split", "fork_only", "spin1_p1_t1") for g in (2, 4, 8)}
@@ -147,6 +148,20 @@ ROWS["split_rows4_prio"] = 4
 SCHEDULES["split_rows4_prio"] = (DEFAULT, DEFAULT, None, True)
 # "<schedule>_nolead": without freeze_schedule.lead_in's empty launch ahead of the side stream's
 # encodes (the schedule before session 31).
+# "split_greenN": the side stream on a green context of N SMs, 4-warp encodes, N programs each for
+# K and V (two an SM); "_w8": 8 warps, N / 2 programs each (one an SM); "_pP": P programs each at 4
+# warps (128 at batch 16: one a tile, no program loops). name: (SMs, programs, options).
+GREEN = {f"split_green{n}": (n, n, W4) for n in (32, 40, 48, 64)}
+GREEN.update({f"split_green{n}_w8": (n, n // 2, None) for n in (48, 64)})
+GREEN["split_green64_p128"] = (64, 128, W4)
+SCHEDULES.update({name: (DEFAULT, p, opts, False) for name, (_, p, opts) in GREEN.items()})
+# "<schedule>_stamped": the same, with the GPU's clock stamped on the side stream before and after
+# each encode (or spin) launch, so that the row gives each launch's window beside the step in the
+# last freeze's replays, without a profiler (two one-thread launches more per encode).
+STAMPED = {f"{name}_stamped": name for name in ("split", "spin_p66_t220", "spin1_p66_t220", "spin_p33_t220",
+                                                "split_green48", "split_green64", "split_green64_p128")}
+SCHEDULES.update({name: SCHEDULES[base] for name, base in STAMPED.items()})
+GREEN.update({name: GREEN[base] for name, base in STAMPED.items() if base in GREEN})
 NOLEAD = {f"{name}_nolead": name for name in ("split", "split_stamped", "split_pre0", "spin_p66_t220")}
 SCHEDULES.update({name: SCHEDULES[base] for name, base in NOLEAD.items()})
 
@@ -186,9 +201,14 @@ except ImportError:  # an older tree (the A/B comparisons): hf_graph's own funct
 
 
 def schedule(early, programs, options=None, priority=False, spin=None, stamp=False, group=None,
-             stand=None, delay=None, lead=True, rows=None) -> None:
+             stand=None, delay=None, lead=True, rows=None, green=None) -> None:
     """Set decode_greedy's choices (restored to its own by DEFAULT, None, False)."""
     ROUNDS[0] = rows
+    if green is not None:  # the green context and its check, outside any capture
+        stream = _green_stream(green)
+        SCHED.side_stream = lambda device: stream
+    elif OWN_SIDE is not None:
+        SCHED.side_stream = OWN_SIDE
     if OWN_LEAD is not None:  # a tree before session 31 has no lead-in launch
         SCHED.lead_in = OWN_LEAD if lead else (lambda device: None)
     elif not lead:
@@ -232,6 +252,62 @@ def schedule(early, programs, options=None, priority=False, spin=None, stamp=Fal
         _stamp_kernel[(1,)](STAMPS[0], 0, num_warps=1)  # the launch _stamp makes (i is not specialized)
         STAMPS[0].zero_()
         torch.cuda.synchronize()
+
+
+def _green_stream(sms: int) -> torch.cuda.Stream:
+    """A stream of a CUDA green context of ``sms`` SMs (made once per count, kept alive), with
+    :func:`_confined`'s check of it in ``GREEN_CHECKS``."""
+    if OWN_SIDE is None:
+        raise ValueError("the split_greenN schedules need a kvarn with freeze_schedule.side_stream")
+    if sms not in GREEN_CTX:
+        from torch.cuda.green_contexts import GreenContext
+
+        ctx = GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
+        if hasattr(ctx, "Stream"):
+            stream = ctx.Stream()
+        else:  # torch 2.10's form: the context's stream is current while it is set
+            ctx.set_context()
+            stream = torch.cuda.current_stream()
+            ctx.pop_context()
+        GREEN_CTX[sms] = (ctx, stream)
+        GREEN_CHECKS[sms] = _confined(stream, sms)
+        print(json.dumps({"green_context": sms, **GREEN_CHECKS[sms]}), flush=True)
+    return GREEN_CTX[sms][1]
+
+
+def _confined(stream: torch.cuda.Stream, sms: int, us: float = 200.0) -> dict:
+    """Whether launches on ``stream`` stay on ``sms`` SMs: 2 x sms spin programs that fill an SM
+    each and hold it ``us`` µs take about two windows there and one on the whole GPU (more SMs
+    than 2 x sms), eagerly and replayed from a graph captured on a plain stream that forks to
+    ``stream`` (as decode_greedy's steps do)."""
+    out = torch.empty(2 * sms, device="cuda")
+
+    def launch(s):  # forked from the current stream (the capture's, in the graph) and joined back
+        origin = torch.cuda.current_stream()
+        s.wait_stream(origin)
+        with torch.cuda.stream(s):
+            _spin_kernel[(2 * sms,)](out, NS=int(us * 1000), THREE=True, num_warps=8)
+        origin.wait_stream(s)
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        fn()
+        t1.record()
+        torch.cuda.synchronize()
+        return t0.elapsed_time(t1) * 1000 / us  # in windows
+
+    plain = torch.cuda.Stream()
+    windows_plain = timed(lambda: launch(plain))  # first: the kernel compiled outside the capture
+    cap = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    cap.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.graph(graph, stream=cap):
+        launch(stream)
+    return {"windows_plain_stream": windows_plain, "windows_green_eager": timed(lambda: launch(stream)),
+            "windows_green_graph": timed(graph.replay)}
 
 
 def _spin(programs: int, us: float, three: bool) -> None:
@@ -423,10 +499,10 @@ def _graphs_init(self, *args, **kwargs):
 def main(a) -> None:
     if a.repeats < 1:
         sys.exit(f"--repeats {a.repeats}: give at least 1 pass over the schedules")
-    own_kernels = (n in SPINS or n in STANDS or n in STAMPED or n in DELAYS or n in ROWS
+    own_kernels = (n in SPINS or n in STANDS or n in STAMPED or n in DELAYS or n in ROWS or n in GREEN
                    or GROUPS.get(n, ("",))[0] in SPINS for n in (NOLEAD.get(m, m) for m in a.schedules))
     if a.device == "cpu" and any(own_kernels):
-        sys.exit("the spin, stand, fork_only, _stamped, _pre / _post and rows schedules run on the GPU only: "
+        sys.exit("the spin, stand, fork_only, _stamped, _pre / _post, rows and green schedules run on the GPU only: "
                  "--device cuda only")
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: torch sees no CUDA device (use --device cpu --shape tiny for a check)")
@@ -446,7 +522,7 @@ def main(a) -> None:
                 base = DELAYS[name_][0] if name_ in DELAYS else base
                 schedule(*SCHEDULES[name], spin=SPINS.get(base), stamp=name_ in STAMPED, group=group,
                          stand=STANDS.get(name_), delay=DELAYS[name_][1:] if name_ in DELAYS else None,
-                         lead=lead, rows=ROWS.get(name_))
+                         lead=lead, rows=ROWS.get(name_), green=GREEN.get(name_, (None,))[0])
                 t0 = time.time()
                 r = be.run_one(model, f"kvarn_graph:{preset}", a.batch, ctx, a.new, 4096, a.device)
                 gaps, step = r["gaps_ms"], r["step_ms"]
@@ -461,6 +537,8 @@ def main(a) -> None:
                     row.update(windows_us=w, window_median_us=float(np.median(w)) if w else None)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+                if GREEN_CHECKS:
+                    meta["green_confined"] = {str(k): v for k, v in GREEN_CHECKS.items()}
                 with open(a.out, "w") as fh:
                     json.dump({**meta, "rows": rows}, fh, indent=1)
     schedule(DEFAULT, DEFAULT)
@@ -478,6 +556,9 @@ def main(a) -> None:
 
 OWN = [getattr(SCHED, HOOKS[k], None) for k in ("early", "programs", "group")]  # decode_greedy's own
 OWN_LEAD = getattr(SCHED, "lead_in", None)
+OWN_SIDE = getattr(SCHED, "side_stream", None)
+GREEN_CTX: dict = {}  # SMs: (the green context, its stream), made by _green_stream
+GREEN_CHECKS: dict = {}  # SMs: _confined's figures
 OWN_ENCODE, OWN_GRAPHS_INIT = kernels.encode_tiles, hf_graph._Graphs.__init__
 BESIDE_OPTIONS: dict = {}
 SPIN: list = [None]  # (programs, µs, three tiles) of the spin schedules, else None

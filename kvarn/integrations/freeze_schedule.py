@@ -25,6 +25,14 @@ def beside_programs(device: torch.device) -> int:
     return max(1, num_sms(device) // BESIDE)
 
 
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side CUDA stream the encodes run on, beside the step's own: a plain stream (its
+    launches may use any SM; :func:`beside_programs` caps how many they take). A green context's
+    stream of 64 SMs, with two 4-warp encode programs sharing each, takes a third less SM-time a
+    layer and costs the B 16 freeze steps the same; fewer SMs cost more (session 32, an H100)."""
+    return torch.cuda.Stream(device)
+
+
 def lead_in(device: torch.device) -> None:
     """The side stream's first launch after a fork, before the encodes: one empty program.
 

@@ -220,7 +220,7 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
     if on_step is not None:
         on_step(0)
     ahead = _fused_layers(cache) if flush_ahead else []
-    flush_stream = torch.cuda.Stream(dev) if dev.type == "cuda" and ahead else None
+    flush_stream = freeze_schedule.side_stream(dev) if dev.type == "cuda" and ahead else None
 
     def step(kind: str) -> None:
         if kind != "flush":  # a freeze no fill step prepared: every layer's encode starts now
