@@ -146,8 +146,6 @@ ROWS = {f"split_rows{r}": r for r in (2, 4, 8)}
 SCHEDULES.update({name: (DEFAULT, DEFAULT, None, False) for name in ROWS})
 ROWS["split_rows4_prio"] = 4
 SCHEDULES["split_rows4_prio"] = (DEFAULT, DEFAULT, None, True)
-# "<schedule>_nolead": without freeze_schedule.lead_in's empty launch ahead of the side stream's
-# encodes (the schedule before session 31).
 # "split_greenN": the side stream on a green context of N SMs, 4-warp encodes, N programs each for
 # K and V (two an SM); "_w8": 8 warps, N / 2 programs each (one an SM); "_pP": P programs each at 4
 # warps (128 at batch 16: one a tile, no program loops). name: (SMs, programs, options).
@@ -161,7 +159,8 @@ SCHEDULES.update({name: (DEFAULT, p, opts, False) for name, (_, p, opts) in GREE
 STAMPED = {f"{name}_stamped": name for name in ("split", "spin_p66_t220", "spin1_p66_t220", "spin_p33_t220",
                                                 "split_green48", "split_green64", "split_green64_p128")}
 SCHEDULES.update({name: SCHEDULES[base] for name, base in STAMPED.items()})
-GREEN.update({name: GREEN[base] for name, base in STAMPED.items() if base in GREEN})
+# "<schedule>_nolead": without freeze_schedule.lead_in's empty launch ahead of the side stream's
+# encodes (the schedule before session 31).
 NOLEAD = {f"{name}_nolead": name for name in ("split", "split_stamped", "split_pre0", "spin_p66_t220")}
 SCHEDULES.update({name: SCHEDULES[base] for name, base in NOLEAD.items()})
 
@@ -263,12 +262,7 @@ def _green_stream(sms: int) -> torch.cuda.Stream:
         from torch.cuda.green_contexts import GreenContext
 
         ctx = GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
-        if hasattr(ctx, "Stream"):
-            stream = ctx.Stream()
-        else:  # torch 2.10's form: the context's stream is current while it is set
-            ctx.set_context()
-            stream = torch.cuda.current_stream()
-            ctx.pop_context()
+        stream = ctx.Stream()  # torch 2.11 and later
         GREEN_CTX[sms] = (ctx, stream)
         GREEN_CHECKS[sms] = _confined(stream, sms)
         print(json.dumps({"green_context": sms, **GREEN_CHECKS[sms]}), flush=True)
@@ -522,7 +516,7 @@ def main(a) -> None:
                 base = DELAYS[name_][0] if name_ in DELAYS else base
                 schedule(*SCHEDULES[name], spin=SPINS.get(base), stamp=name_ in STAMPED, group=group,
                          stand=STANDS.get(name_), delay=DELAYS[name_][1:] if name_ in DELAYS else None,
-                         lead=lead, rows=ROWS.get(name_), green=GREEN.get(name_, (None,))[0])
+                         lead=lead, rows=ROWS.get(name_), green=GREEN.get(base, (None,))[0])
                 t0 = time.time()
                 r = be.run_one(model, f"kvarn_graph:{preset}", a.batch, ctx, a.new, 4096, a.device)
                 gaps, step = r["gaps_ms"], r["step_ms"]
