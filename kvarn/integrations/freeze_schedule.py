@@ -98,3 +98,43 @@ def starts(n: int, early: int, group: int) -> list[tuple[int, range]]:
     spans = [(lo, min(lo + group, early), 0) for lo in range(0, early, group)]
     spans += [(lo, min(lo + group, n), early) for lo in range(early, n, group)]
     return [(hi - 1 - shift, range(lo, hi)) for lo, hi, shift in spans]
+
+
+class Started:
+    """Encodes started together on a side stream (one fork, :func:`start_encodes`): the event
+    recorded after the last of them, and whether the step's stream has waited for it yet (one
+    wait covers them all)."""
+
+    __slots__ = ("event", "waited")
+
+    def __init__(self, event: torch.cuda.Event):
+        self.event, self.waited = event, False
+
+
+def start_encodes(layers: tuple, stream: torch.cuda.Stream | None) -> None:
+    """Start the due encodes of fused ``layers`` (``FusedKVarNLayer.due_ahead``; the others are
+    left alone, and with none due nothing happens): at once when ``stream`` is None, else on that
+    side stream after one wait for the current stream (the tails' last tokens were written there,
+    and from a read, the read was queued after them), :func:`lead_in` first, with one event after
+    the last encode. Each layer's next update waits for that event before it overwrites and reads
+    its tail, unless another layer's has (``FusedKVarNLayer._flush_device``); a step that ends
+    first joins the side stream (decode_greedy)."""
+    due = [(x, n) for x in layers if (n := x.due_ahead())]
+    if not due:
+        return
+    if stream is None:
+        for x, n in due:
+            x.encode_due(n)
+            x.encoded_ahead()
+        return
+    device = due[0][0].device
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        lead_in(device)  # the step's next kernel places its blocks first
+        for x, n in due:
+            x.encode_due(n, x.ahead_programs)
+        event = torch.cuda.Event()
+        event.record(stream)
+    started = Started(event)
+    for x, _ in due:
+        x.encoded_ahead(started)

@@ -7,10 +7,10 @@ does not pass the cache), and the attention function reads the packed tiles thro
 :meth:`FusedKVarNLayer.fused_inputs`. Complete tiles are encoded with the Triton encoder
 (:func:`kvarn.kernels.encode_tiles`) into the cache's tile store, in the step's update or, under
 :func:`kvarn.integrations.hf_graph.decode_greedy`, ahead of it on a side stream
-(:meth:`FusedKVarNLayer.read_done`, :func:`_start_encodes`). For kvarn-auto the per-(row, KV head)
-flavours decided at the prefill (:mod:`kvarn.auto`) are encoded by the same kernel (rotation applied
-per head before it, normalization switched per tile inside it) and read by the decode kernel
-through its ``key_rotated`` / ``value_rotated`` flags.
+(:meth:`FusedKVarNLayer.read_done`, :func:`kvarn.integrations.freeze_schedule.start_encodes`).
+For kvarn-auto the per-(row, KV head) flavours decided at the prefill (:mod:`kvarn.auto`) are
+encoded by the same kernel (rotation applied per head before it, normalization switched per tile
+inside it) and read by the decode kernel through its ``key_rotated`` / ``value_rotated`` flags.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class FusedKVarNLayer(KVarNLayer):
         self.max_length = max_length
         self._dev_len = None
         self._lockstep = False
-        self._ahead = None  # (length, True or _Started): the encode _start_encodes started at that length
+        self._ahead = None  # (length, True or freeze_schedule.Started): the encode started at that length
         # decode_greedy's hook: False, off; else the stream (None: at once) on which the step that
         # completes a tile starts encoding it (see flush_ahead)
         self.ahead_stream = False
@@ -184,7 +184,7 @@ class FusedKVarNLayer(KVarNLayer):
         over a plain step that way, 0.18 ms with the encode after the read, beside the projections).
         """
         if self._read_pending and self.ahead_stream is not False:
-            _start_encodes(self.ahead_starts, self.ahead_stream)
+            freeze_schedule.start_encodes(self.ahead_starts, self.ahead_stream)
         self._read_pending = False
 
     def due_ahead(self) -> int:
@@ -207,10 +207,11 @@ class FusedKVarNLayer(KVarNLayer):
         On a side stream the grid is capped at :attr:`ahead_programs` when set.
         See :func:`kvarn.integrations.hf_graph.decode_greedy`.
         """
-        _start_encodes((self,), stream)
+        freeze_schedule.start_encodes((self,), stream)
 
     def ahead_pending(self) -> bool:
-        """True while an encode started on a side stream (_start_encodes) has not been waited for."""
+        """True while an encode started on a side stream (freeze_schedule.start_encodes) has not
+        been waited for."""
         return self._ahead is not None and self._ahead[1] is not True and not self._ahead[1].waited
 
     def joined(self) -> None:
@@ -219,11 +220,13 @@ class FusedKVarNLayer(KVarNLayer):
         if self._ahead is not None:
             self._ahead = (self._ahead[0], True)
 
-    def encoded_ahead(self) -> None:
-        """The tiles the next update freezes were encoded by the step before (see flush_ahead)."""
-        self._ahead = (self.length, True)
+    def encoded_ahead(self, started=True) -> None:
+        """The tiles the next update freezes were encoded ahead (see flush_ahead): True, done (by the
+        step before, or at once); a :class:`~kvarn.integrations.freeze_schedule.Started`, started on
+        a side stream, whose event the next update waits for unless another layer's has."""
+        self._ahead = (self.length, started)
 
-    def _encode_due(self, n: int, programs: int | None = None) -> None:
+    def encode_due(self, n: int, programs: int | None = None) -> None:
         """Encode the ``n`` complete tiles at the start of the tail into the next slots (read on the
         device); ``programs``: the encoder's grid cap (TritonTileCodec.beside), None for none."""
         g = self.tile
@@ -246,7 +249,7 @@ class FusedKVarNLayer(KVarNLayer):
         g = self.tile
         t = self.tail_len[0]
         if ahead is None or ahead[0] != self.length:  # not started for this state (or a stale start)
-            self._encode_due(n)
+            self.encode_due(n)
         elif ahead[1] is not True and not ahead[1].waited:
             # Wait for the side stream before the tail is overwritten and read: for every encode
             # started with this one (the first of them to get here waits, the others need not).
@@ -294,42 +297,3 @@ class FusedKVarNAutoLayer(FusedKVarNLayer, KVarNAutoLayer):
         super().__init__(codec, padding, is_sliding, max_length)
         if settings is not None:
             self.settings = settings
-
-
-class _Started:
-    """Encodes started together on a side stream (one fork, :func:`_start_encodes`): the event
-    recorded after the last of them, and whether the step's stream has waited for it yet (one
-    wait covers them all)."""
-
-    __slots__ = ("event", "waited")
-
-    def __init__(self, event: torch.cuda.Event):
-        self.event, self.waited = event, False
-
-
-def _start_encodes(layers: tuple[FusedKVarNLayer, ...], stream: torch.cuda.Stream | None) -> None:
-    """Start the due encodes of ``layers`` (:meth:`FusedKVarNLayer.due_ahead`; the others are left
-    alone, and with none due nothing happens): at once when ``stream`` is None, else on that side
-    stream after one wait for the current stream (the tails' last tokens were written there, and
-    from a read, the read was queued after them), with one event after the last encode. Each
-    layer's next update waits for that event before it overwrites and reads its tail, unless
-    another layer's has (:meth:`_flush_device`); a step that ends first joins the side stream
-    (decode_greedy)."""
-    due = [(x, n) for x in layers if (n := x.due_ahead())]
-    if not due:
-        return
-    if stream is None:
-        for x, n in due:
-            x._encode_due(n)
-            x._ahead = (x.length, True)
-        return
-    stream.wait_stream(torch.cuda.current_stream(due[0][0].device))
-    with torch.cuda.stream(stream):
-        freeze_schedule.lead_in(due[0][0].device)  # the step's next kernel places its blocks first
-        for x, n in due:
-            x._encode_due(n, x.ahead_programs)
-        event = torch.cuda.Event()
-        event.record(stream)
-    started = _Started(event)
-    for x, _ in due:
-        x._ahead = (x.length, started)

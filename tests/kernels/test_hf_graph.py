@@ -96,7 +96,7 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
     monkeypatch.setattr(freeze_schedule, "fork_group", lambda layers: group)
     ids = torch.randint(0, 97, (1, PROMPT), device=kdevice)
     calls, step = [], [0]
-    encode_due = fused_layer.FusedKVarNLayer._encode_due
+    encode_due = fused_layer.FusedKVarNLayer.encode_due
 
     def spy(self, n, programs=None):
         import inspect
@@ -107,7 +107,7 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
                       self.tail_len[0], self.store.counts[0]))
         return encode_due(self, n, programs)
 
-    monkeypatch.setattr(fused_layer.FusedKVarNLayer, "_encode_due", spy)
+    monkeypatch.setattr(fused_layer.FusedKVarNLayer, "encode_due", spy)
     cache = _fused(model, max_length=PROMPT + NEW)
     hf_graph.decode_greedy(model, cache, ids, NEW, capture="none", on_step=lambda i: step.__setitem__(0, i))
     g = cache.layers[0].tile
@@ -124,7 +124,7 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
         2: [(s, 1, 0), (s, 1, 1), (s, 3, 2), (s, 3, 3), (s + 1, 1, 4), (s + 1, 1, 5)],  # e = 4: groups 01 23 | 45
         3: [(s, 2, 0), (s, 2, 1), (s, 2, 2), (s + 1, 2, 3), (s + 1, 2, 4), (s + 1, 2, 5)],  # e = 3: 012 | 345
     }[group]
-    assert calls == [("_start_encodes", "read_done", *x, g, 0) for x in expect]
+    assert calls == [("start_encodes", "read_done", *x, g, 0) for x in expect]
     assert cache.layers[0].store.counts == [1] and cache.layers[0]._ahead is None
     calls.clear()
     gen = _fused(model, max_length=PROMPT + NEW)

@@ -183,10 +183,10 @@ def test_flush_ahead_waits_on_both_streams(model, mode, group, monkeypatch):
     at earlier layers' reads, so each of their updates must wait for its own as well; with a fork
     group of 2 (``freeze_schedule.fork_group``, two of the four layers early) the first update of a group waits
     for both encodes, the second for none."""
-    from kvarn.integrations import freeze_schedule, fused_layer, hf_attention, hf_graph
+    from kvarn.integrations import freeze_schedule, fused_layer, hf_attention
 
     spin = 20_000_000  # GPU cycles, about 10 ms
-    encode_due, start = fused_layer.FusedKVarNLayer._encode_due, fused_layer._start_encodes
+    encode_due, start = fused_layer.FusedKVarNLayer.encode_due, freeze_schedule.start_encodes
 
     def slow_encode(self, n, programs=None):
         torch.cuda._sleep(spin)  # on the stream the encode runs on
@@ -197,8 +197,8 @@ def test_flush_ahead_waits_on_both_streams(model, mode, group, monkeypatch):
             torch.cuda._sleep(spin)  # the step's stream lags behind the host
         start(layers, stream)
 
-    monkeypatch.setattr(fused_layer.FusedKVarNLayer, "_encode_due", slow_encode)
-    monkeypatch.setattr(fused_layer, "_start_encodes", late_start)
+    monkeypatch.setattr(fused_layer.FusedKVarNLayer, "encode_due", slow_encode)
+    monkeypatch.setattr(freeze_schedule, "start_encodes", late_start)
     monkeypatch.setattr(freeze_schedule, "fork_group", lambda layers: group)
     if group > 1:
         monkeypatch.setattr(freeze_schedule, "early_layers", lambda layers: 2)
@@ -229,7 +229,7 @@ def test_side_stream_encodes_start_after_an_empty_launch(model, monkeypatch):
     from kvarn.integrations import freeze_schedule, fused_layer, hf_attention
 
     order = []
-    lead_in, encode_due = freeze_schedule.lead_in, fused_layer.FusedKVarNLayer._encode_due
+    lead_in, encode_due = freeze_schedule.lead_in, fused_layer.FusedKVarNLayer.encode_due
 
     def spy_lead(device):
         order.append(("lead", torch.cuda.current_stream(device)))
@@ -240,7 +240,7 @@ def test_side_stream_encodes_start_after_an_empty_launch(model, monkeypatch):
         encode_due(self, n, programs)
 
     monkeypatch.setattr(freeze_schedule, "lead_in", spy_lead)
-    monkeypatch.setattr(fused_layer.FusedKVarNLayer, "_encode_due", spy_encode)
+    monkeypatch.setattr(fused_layer.FusedKVarNLayer, "encode_due", spy_encode)
     ids = torch.randint(0, 1000, (2, PROMPT), device="cuda")
     hf_attention.use_fused(model)
     try:
