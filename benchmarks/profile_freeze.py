@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--preset", default="k4v2_g128")
     ap.add_argument("--new", type=int, default=272)
+    ap.add_argument("--no-lead-in", action="store_true",
+                    help="without freeze_schedule.lead_in's empty launch ahead of each fork's encodes (its A/B)")
     ap.add_argument("--out", default="benchmarks/results/profile_freeze.json")
     a = ap.parse_args()
 
@@ -52,8 +54,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("profile_freeze needs a CUDA device: it profiles replayed CUDA graphs")
     import bench_e2e as be
-    from kvarn.integrations import hf_attention, hf_graph
+    from kvarn.integrations import freeze_schedule, hf_attention, hf_graph
 
+    if a.no_lead_in:
+        freeze_schedule.lead_in = lambda device: None
     own_replay = hf_graph._Graphs._replay
 
     def tagged(self, kind):
