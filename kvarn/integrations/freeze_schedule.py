@@ -37,9 +37,10 @@ def lead_in(device: torch.device) -> None:
     """The side stream's first launch after a fork, before the encodes: one empty program.
 
     A fork at a layer's read makes the encodes and the step's next kernel (the output projection,
-    a GEMM of one block an SM) ready at the same moment, the read's end. The likely reason for the
-    gain (measured, not profiled): started first, the encodes take SMs that GEMM then waits for,
-    and one empty launch ahead of them lets the GEMM place its blocks first.
+    a GEMM of one block an SM) ready at the same moment, the read's end. Started first, the encodes
+    take SMs that GEMM then waits for; one empty launch ahead of them lets the GEMM place its blocks
+    first (profiled, session 33, an H100 at 8K x 16: the step's GEMMs stretch 146-159 µs in a
+    freeze step with it, 249-262 µs without).
 
     Measured (BENCHMARKS.md: the freeze step; session 31, an H100, k4v2 and k2v2): the B 16 freeze
     steps +1.5-2.1% at 8K and +1.0-1.6% at 32K against +2.4-2.8% and +1.6-2.3% without it, at B 1
