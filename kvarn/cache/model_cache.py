@@ -24,9 +24,9 @@ Methods (``method=``; every one uses the same tiles, sink and tail, see :mod:`kv
 - ``varn``: the KVarN paper's "VarN" ablation: variance normalization without rotation.
 - ``fp8``: FP8 e4m3 with an fp16 per-token scale (vLLM's fp8 KV-cache format).
 - ``kvarn-auto``: kvarn's records, with rotation and normalization chosen per (row, layer, KV head)
-  from the prompt (:mod:`kvarn.auto`, :mod:`kvarn.cache.auto`); it reads the prefill's queries, so
-  it needs the model itself (built from a config or None, every layer is KVarN, with a warning);
-  KVarN where a row's prompt is shorter than ``sink_tokens + tile``.
+  from the prompt (:mod:`kvarn.auto`, :mod:`kvarn.cache.auto`); it reads the prefill's queries
+  (:mod:`kvarn.cache.prompt_capture`), so it needs the model itself (built from a config or None,
+  every layer is KVarN, with a warning); KVarN where a row's prompt is shorter than ``sink_tokens + tile``.
   :meth:`KVarNCache.flavours` and ``memory_report()["flavours"]`` report the choices.
 
 Two more baselines are transformers' own quantized cache layers, not kvarn codecs: ``hf-quanto``
@@ -53,11 +53,12 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, Quantized
 from ..auto import AutoSettings
 from ..config import KVarNConfig, check_head_dim
 from ..methods import METHODS, Method, TileCodec, get_method
-from .auto import KVarNAutoLayer, install_prompt_capture
+from .auto import KVarNAutoLayer
 from .hf_baselines import HF_GROUP, HF_METHODS, hf_layer_factory, hf_memory
 from .layer import KVarNLayer
 from .memory import dense_entry, total_entry
 from .layer_types import SLIDING_TYPES, layer_types_of, text_config
+from .prompt_capture import install_prompt_capture
 
 logger = logging.getLogger(__name__)
 

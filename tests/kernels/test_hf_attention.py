@@ -68,15 +68,15 @@ def test_fused_kvarn_auto_matches_the_cache_read_path_with_mixed_flags(kdevice):
 
     def force_mixed(cache):  # every flag combination on some head, whatever the prompt decides
         for layer in cache.layers:
-            orig = layer._set
+            orig = layer.set_decision
 
-            def _set(decision, layer=layer, orig=orig):
+            def set_decision(decision, layer=layer, orig=orig):
                 row = decision.rows[0]
                 row.key_rotate, row.key_normalize, row.value_rotate, row.value_normalize = (
                     getattr(mixed, n)[0].to(kdevice) for n in ("key_rotate", "key_normalize", "value_rotate",
                                                                 "value_normalize"))
                 orig(decision)
-            layer._set = _set
+            layer.set_decision = set_decision
 
     model.set_attn_implementation("sdpa")
     ref_cache = KVarNCache(model, "kvarn-auto", "k4v2_g64", sinkhorn_iters=2, auto=AutoSettings(rule="a3"))
