@@ -29,14 +29,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["install_prompt_capture"]
 
 CAPTURE_PREFIX = "kvarn_auto_capture__"
-_CALLBACK_ATTR = "_kvarn_auto_callback"
+_CALLBACK_ATTR = "_kvarn_auto_callback"  # on each attention module while the prefill runs
+_INNER_ATTR = "_kvarn_auto_inner"  # the attention function the model itself would call
 
 
 def _capture_attention(module, query, key, value, attention_mask, **kwargs):
     callback = getattr(module, _CALLBACK_ATTR, None)
     if callback is not None:
         callback(module, query, key, value, kwargs)
-    inner = getattr(module, "_kvarn_auto_inner", None)
+    inner = getattr(module, _INNER_ATTR, None)
     return inner(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -153,7 +154,7 @@ def install_prompt_capture(model: torch.nn.Module, cache) -> list:
         if state["previous"] is None:
             return
         for m in attention_modules(model):
-            for attr in (_CALLBACK_ATTR, "_kvarn_auto_inner"):
+            for attr in (_CALLBACK_ATTR, _INNER_ATTR):
                 m.__dict__.pop(attr, None)
         model.set_attn_implementation(state["previous"])
         state["previous"] = None
@@ -171,7 +172,7 @@ def install_prompt_capture(model: torch.nn.Module, cache) -> list:
         name = _register(previous)
         for m in attention_modules(model):
             setattr(m, _CALLBACK_ATTR, callback)
-            setattr(m, "_kvarn_auto_inner", _inner_function(m, previous))
+            setattr(m, _INNER_ATTR, _inner_function(m, previous))
         model.set_attn_implementation(name)
         state["previous"] = previous
         state["r3"] = any(isinstance(la, KVarNAutoLayer) and la.settings.rule == "r3" for la in c.layers)
