@@ -77,12 +77,12 @@ def _pads_of(kwargs, batch: int, length: int) -> list[int]:
     return [0] * batch
 
 
-def _keep_test_logits(model, cache, args, kwargs, state) -> None:
-    """Ask the prefill for the exact logits at every row's self-test positions as well as the caller's."""
+def _keep_test_logits(model, cache, prompt, kwargs, state) -> None:
+    """Ask the prefill for the exact logits at every row's self-test positions as well as the caller's
+    (``prompt``: the prefill's ``input_ids`` or ``inputs_embeds``, from :func:`_prompt_of`)."""
     import inspect
 
     asked = kwargs.get("logits_to_keep", 0)
-    prompt, _ = _prompt_of(args, kwargs)
     if prompt is None or not isinstance(asked, int) or asked <= 0 or \
             "logits_to_keep" not in inspect.signature(model.forward).parameters:
         return  # all logits come back (asked == 0), or the self-test runs the exact model itself
@@ -179,7 +179,7 @@ def install_prompt_capture(model: torch.nn.Module, cache) -> list:
         state["kv"], state["kept"] = {}, None
         if state["r3"]:
             state["prompt"] = _prompt_of(args, kwargs)
-            _keep_test_logits(model, c, args, kwargs, state)
+            _keep_test_logits(model, c, state["prompt"][0], kwargs, state)
             return args, kwargs
         return None
 
