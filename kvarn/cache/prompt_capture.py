@@ -140,7 +140,7 @@ def install_prompt_capture(model: torch.nn.Module, cache) -> list:
     from ..analysis.capture import attention_modules
 
     cache_ref = weakref.ref(cache)
-    state = {"previous": None, "r3": False, "kv": {}, "prompt": None, "kept": None}
+    state = {"previous": None, "r3": False, "kv": {}, "prompt": (None, False), "kept": None}
 
     def callback(module, query, key, value, kwargs):
         c = cache_ref()
