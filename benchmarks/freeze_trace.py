@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import statistics
 
+ENCODE = "_encode_tiles_kernel"  # the tile freeze's encoder (kvarn/kernels/encode.py)
 FAMILIES = (  # (family, substrings of the kernel name), first match wins
-    ("encode", ("_encode_tiles_kernel",)),
+    ("encode", (ENCODE,)),
     ("attention", ("_decode_attention_kernel",)),
     ("append", ("_append_tail_kernel",)),
     ("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "cublas")),
@@ -83,7 +84,7 @@ def _covered(a: float, b: float, union: list[tuple[float, float]]) -> float:
     return sum(max(0.0, min(b, y) - max(a, x)) for x, y in union)
 
 
-SIDE = ("_encode_tiles_kernel", "_empty_kernel")  # what a fork queues on the side stream: encodes, the lead-in
+SIDE = (ENCODE, "_empty_kernel")  # what a fork queues on the side stream: encodes, the lead-in
 
 
 def _step_kernels(r: dict) -> list[list]:
