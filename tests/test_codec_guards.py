@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kvarn
@@ -75,6 +75,7 @@ def test_any_magnitude_raises_or_decodes_finite(mk, mv, seed):
 @PROPS
 @given(c=magnitudes, sign=st.sampled_from([-1.0, 1.0]), noise=st.sampled_from([0.0, 1e-6, 1e-3]),
        seed=st.integers(0, 2**16))
+@example(c=10.0 ** -4.875, sign=-1.0, noise=0.0, seed=0)  # a subnormal V row scale beside a normal zero
 def test_constant_and_near_constant_tiles(c, sign, noise, seed):
     g = torch.Generator().manual_seed(seed)
     k = torch.full((1, 1, CFG.tile, D), sign * c) * (1 + noise * torch.randn(1, 1, CFG.tile, D, generator=g))
@@ -84,13 +85,19 @@ def test_constant_and_near_constant_tiles(c, sign, noise, seed):
         return
     k_hat, v_hat, qkv = out
     zk, zv = qkv.zero_tiles
-    for x_hat, zero in ((k_hat, zk), (v_hat, zv)):
+    sides = ((k_hat, zk, qkv.k_col_scale, CFG.key_bits), (v_hat, zv, qkv.v_col_scale, CFG.value_bits))
+    for x_hat, zero, col, bits in sides:
         assert torch.isfinite(x_hat).all()
         if zero.all():
             assert c < 1e-3 and torch.count_nonzero(x_hat) == 0
         else:  # a constant is stored in the zero field: fp16 rounding plus the noise's own spread
             rel = float((x_hat - k).norm() / k.norm())
-            assert rel < 3e-3 + 8 * noise, rel
+            # A tile may keep a row scale below fp16's smallest normal beside a normal zero (a
+            # constant's V row: zero = the constant, scale = a third of it). Such a field is rounded
+            # to a step of 2^-24, not to 11 bits: each value col * (zero + code * scale) may be off
+            # by col * (1 + qmax) * 2^-25 more, and the inverse rotation keeps the error's norm.
+            sub = float(col.float().max()) * 2**bits * 2.0**-25 * k.numel() ** 0.5 / float(k.norm())
+            assert rel < 3e-3 + 8 * noise + sub, (rel, sub)
 
 
 @PROPS
