@@ -93,9 +93,10 @@ def test_constant_and_near_constant_tiles(c, sign, noise, seed):
         else:  # a constant is stored in the zero field: fp16 rounding plus the noise's own spread
             rel = float((x_hat - k).norm() / k.norm())
             # A tile may keep a row scale below fp16's smallest normal beside a normal zero (a
-            # constant's V row: zero = the constant, scale = a third of it). Such a field is rounded
-            # to a step of 2^-24, not to 11 bits: each value col * (zero + code * scale) may be off
-            # by col * (1 + qmax) * 2^-25 more, and the inverse rotation keeps the error's norm.
+            # constant's 2-bit V row: zero = the rotated constant, scale = a third of it). Such a
+            # field is rounded to a step of 2^-24, not to 11 bits: each value col * (zero + code *
+            # scale) may be off by col * (1 + qmax) * 2^-25 more, and the inverse rotation keeps
+            # the error's norm.
             sub = float(col.float().max()) * 2**bits * 2.0**-25 * k.numel() ** 0.5 / float(k.norm())
             assert rel < 3e-3 + 8 * noise + sub, (rel, sub)
 
