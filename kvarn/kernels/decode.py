@@ -72,14 +72,14 @@ def _decode_attention_kernel(
     kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
     vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
     vs_ptr, vs_sb, vs_sh, vs_sn, vz_ptr, vz_sb, vz_sh, vz_sn,
-    n_len_ptr, krot_ptr, vrot_ptr,
+    n_len_ptr, krot_ptr, vrot_ptr, slot_ptr, bt_ptr, bt_sb, TILE0,
     o_ptr, o_sb, o_sh, o_st, pacc_ptr, pml_ptr, gacc_ptr, gml_ptr, count_ptr,
     HK, qk_scale, inv_sqrt_d, TILES_PER_SPLIT, FP_SPLITS: tl.constexpr, NS, NT_CAP,
     D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     GROUP: tl.constexpr, TQ: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, FP_ROTATED: tl.constexpr, FLAGS: tl.constexpr, SINGLE: tl.constexpr,
     KSCALE: tl.constexpr, VSCALE: tl.constexpr, ASM: tl.constexpr,
-    S_LEN: tl.constexpr, T_LEN: tl.constexpr, N_LEN: tl.constexpr,
+    S_LEN: tl.constexpr, T_LEN: tl.constexpr, N_LEN: tl.constexpr, PAGED: tl.constexpr,
 ):
     bh = tl.program_id(0)
     sp = tl.program_id(1)
@@ -130,11 +130,16 @@ def _decode_attention_kernel(
         # so a short tail costs only its own blocks. Round robin over the fp splits: sink block j
         # and tail block j go to split j % FP_SPLITS.
         acc = tl.zeros([2 * M, D], tl.float32)
+        # Paged (vLLM): the row's sink and tail live in its request's staging slot.
+        if PAGED:
+            fp_row = tl.load(slot_ptr + b).to(tl.int64)
+        else:
+            fp_row = b64
         for blk in range(sp, tl.cdiv(s_len, BLOCK_N), FP_SPLITS):
-            m_i, l_i, acc = fp_block(bq, sk_ptr, sv_ptr, b64 * s_sb + h64 * s_sh, s_sn,
+            m_i, l_i, acc = fp_block(bq, sk_ptr, sv_ptr, fp_row * s_sb + h64 * s_sh, s_sn,
                                      blk * BLOCK_N, s_len, big, m_i, l_i, acc, D, BLOCK_N)
         for blk in range(sp, tl.cdiv(t_len, BLOCK_N), FP_SPLITS):
-            m_i, l_i, acc = fp_block(bq, tk_ptr, tv_ptr, b64 * t_sb + h64 * t_sh, t_sn,
+            m_i, l_i, acc = fp_block(bq, tk_ptr, tv_ptr, fp_row * t_sb + h64 * t_sh, t_sn,
                                      blk * BLOCK_N, t_len, lim, m_i, l_i, acc, D, BLOCK_N)
         accs = fp_result(acc, PV)
     else:
@@ -145,7 +150,13 @@ def _decode_attention_kernel(
         c = tl.arange(0, DP)
         g = tl.arange(0, G)
         for n in range(t_start, t_end):
-            fields = tile_load(n, b64, h64, t, c, d, g,
+            if PAGED:  # tile n is the record in page block_table[b, TILE0 + n] (the fields' n stride: a page)
+                pg = tl.load(bt_ptr + b64 * bt_sb + TILE0 + n).to(tl.int64)
+                tb64 = b64 * 0
+            else:
+                pg = n
+                tb64 = b64
+            fields = tile_load(pg, tb64, h64, t, c, d, g,
                                kc_ptr, kc_sb, kc_sh, kc_sn, ks_ptr, ks_sb, ks_sh, ks_sn,
                                kz_ptr, kz_sb, kz_sh, kz_sn, kr_ptr, kr_sb, kr_sh, kr_sn,
                                vc_ptr, vc_sb, vc_sh, vc_sn, vcs_ptr, vcs_sb, vcs_sh, vcs_sn,
@@ -312,6 +323,7 @@ def decode_attention(
         sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), _lengths(sink_lengths, query, dev), s_cap,
         tk, tv, tk.stride(0), tk.stride(1), tk.stride(2), _lengths(tail_lengths, query, dev), r_cap,
         *tile_args, _lengths(tile_counts, query, dev), flags, vrot if vrot is not None else counts,
+        counts, counts, 0, 0,
         out, out.stride(0), out.stride(1), out.stride(2), pacc, pml, gacc, gml, counts,
         hk, scale, 1.0 / math.sqrt(d), per_split, fps, ns, n_cap,
         D=d, G=config.tile, KB=config.key_bits, VB=config.value_bits,
@@ -320,6 +332,96 @@ def decode_attention(
         KSCALE=1.0 if config.key_bits == 8 else 512.0, VSCALE=1.0 if config.value_bits == 8 else 512.0,
         ASM=not interpreting(),
         S_LEN=sink_lengths is not None, T_LEN=tail_lengths is not None, N_LEN=tile_counts is not None,
+        PAGED=False, num_warps=warps, num_stages=stages, **opts,
+    )
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    staging_k: torch.Tensor,
+    staging_v: torch.Tensor,
+    slots: torch.Tensor,
+    sink_lengths: torch.Tensor,
+    tail_lengths: torch.Tensor,
+    pages: torch.Tensor,
+    block_table: torch.Tensor,
+    tile_counts: torch.Tensor,
+    config: KVarNConfig,
+    scaling: float | None = None,
+    *,
+    sink_tokens: int,
+    max_tiles: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention of R query rows over vLLM's pages; twin of :func:`kvarn.paged.paged_decode_attention`.
+
+    query: ``[R, Hq, D]`` (model frame), one query token per row. staging_k, staging_v: ``[P, L, Hk,
+    D]`` (rotated frame; views of one buffer are fine): row ``r`` sees the sink
+    ``staging[slots[r], :sink_lengths[r]]`` and the tail ``staging[slots[r], S : S + tail_lengths[r]]``
+    with ``S = sink_tokens``. pages: uint8 ``[num_blocks, Hk, record_bytes]``; row ``r``'s tile ``n``
+    (``n < tile_counts[r] <= max_tiles``) is the record at page ``block_table[r, S / G + n]``. All
+    per-row tensors int32 on the device. ``max_tiles`` fixes the launch (splits), so a captured
+    graph replays any lengths up to it. Returns ``out`` (or a new tensor) ``[R, Hq, D]``.
+    """
+    from ..record import record_field_views
+
+    r, hq, d = query.shape
+    p, length, hk, _ = staging_k.shape
+    if staging_v.shape != staging_k.shape or staging_v.stride() != staging_k.stride():
+        raise ValueError("staging_k and staging_v must have one shape and one stride")
+    if d < 64 or config.tile < 64 or hq % hk:
+        raise ValueError(f"paged decode needs D >= 64, G >= 64 and Hq a multiple of Hk, got D={d}, "
+                         f"G={config.tile}, Hq={hq}, Hk={hk}")
+    if sink_tokens % config.tile or not 0 <= sink_tokens < length:
+        raise ValueError(f"sink_tokens={sink_tokens} must be a multiple of G={config.tile} below the slot length {length}")
+    for name, x in (("slots", slots), ("sink_lengths", sink_lengths), ("tail_lengths", tail_lengths),
+                    ("tile_counts", tile_counts)):
+        if x.dtype != torch.int32 or tuple(x.shape) != (r,):
+            raise ValueError(f"{name} must be int32 [{r}], got {x.dtype} {tuple(x.shape)}")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.stride(1) != 1:
+        raise ValueError(f"block_table must be int32 [R, W] with contiguous rows, got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    check_device(query, staging_k, pages, block_table)
+    dev = query.device
+    out = torch.empty_like(query) if out is None else out
+    if r == 0:
+        return out
+    group = hq // hk
+    m = max(4, triton.next_power_of_2(group))
+    scale = (1.0 / math.sqrt(d) if scaling is None else float(scaling)) * LOG2E
+    tail_k, tail_v = staging_k[:, sink_tokens:], staging_v[:, sink_tokens:]
+    r_cap = length - sink_tokens
+    fields = record_field_views(pages, config, d)  # lead [num_blocks, Hk]
+    tile_args = []
+    for name in FIELD_ORDER:  # a tile's stride along n is a page; the kernel's b stride is unused
+        x = getattr(fields, name)
+        tile_args += [x, 0, x.stride(1), x.stride(0)]
+    warps, regs, stages, waves = launch_plan(r * hk, d, m)
+    splits, fps = plan_splits(r * hk, max_tiles, sink_tokens + r_cap, dev, waves)
+    per_split = -(-max_tiles // splits) if splits else 1
+    splits = -(-max_tiles // per_split) if splits else 0
+    ns = splits + fps
+    pacc = torch.empty(r * hk * ns * m * d, dtype=torch.float32, device=dev)
+    pml = torch.empty(r * hk * ns * m * 2, dtype=torch.float32, device=dev)
+    groups = -(-ns // MERGE_GROUP.value)
+    gacc = torch.empty(r * hk * groups * m * d, dtype=torch.float32, device=dev)
+    gml = torch.empty(r * hk * groups * m * 2, dtype=torch.float32, device=dev)
+    counts = merge_counters(r * hk * (1 + groups), dev)
+    opts = {} if interpreting() or regs is None else {"maxnreg": int(regs)}
+    _decode_attention_kernel[(r * hk, ns)](
+        query, query.stride(0), query.stride(1), 0,
+        staging_k, staging_v, staging_k.stride(0), staging_k.stride(2), staging_k.stride(1), sink_lengths,
+        sink_tokens,
+        tail_k, tail_v, tail_k.stride(0), tail_k.stride(2), tail_k.stride(1), tail_lengths, r_cap,
+        *tile_args, tile_counts, counts, counts, slots, block_table, block_table.stride(0),
+        sink_tokens // config.tile,
+        out, out.stride(0), out.stride(1), 0, pacc, pml, gacc, gml, counts,
+        hk, scale, 1.0 / math.sqrt(d), per_split, fps, ns, max_tiles,
+        D=d, G=config.tile, KB=config.key_bits, VB=config.value_bits,
+        GROUP=group, TQ=1, M=m, CAUSAL=False, FP_ROTATED=True, FLAGS=False, SINGLE=ns == 1,
+        KSCALE=1.0 if config.key_bits == 8 else 512.0, VSCALE=1.0 if config.value_bits == 8 else 512.0,
+        ASM=not interpreting(), S_LEN=True, T_LEN=True, N_LEN=True, PAGED=True,
         num_warps=warps, num_stages=stages, **opts,
     )
     return out

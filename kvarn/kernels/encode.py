@@ -88,13 +88,13 @@ def _encode_tiles_kernel(
     kz_ptr, kz_s0, kz_s1, kz_s2, kr_ptr, kr_s0, kr_s1, kr_s2,
     vc_ptr, vc_s0, vc_s1, vc_s2, vcs_ptr, vcs_s0, vcs_s1, vcs_s2,
     vs_ptr, vs_s0, vs_s1, vs_s2, vz_ptr, vz_s0, vz_s1, vz_s2,
-    N1, N2, n_tiles, flag_ptr, slot_ptr, bad_ptr, inv_sqrt_d,
+    N1, N2, n_tiles, flag_ptr, slot_ptr, bad_ptr, src_ptr, dst_ptr, inv_sqrt_d,
     k_clo, k_chi, v_clo, v_chi,
     D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     HAS_NORM: tl.constexpr, ROTATE: tl.constexpr, HAS_ROT: tl.constexpr, HAS_SLOT: tl.constexpr,
     CHECK: tl.constexpr, KQ: tl.constexpr, KLO0: tl.constexpr, KLO1: tl.constexpr, KHI0: tl.constexpr,
     KHI1: tl.constexpr, VQ: tl.constexpr, VLO0: tl.constexpr, VLO1: tl.constexpr, VHI0: tl.constexpr,
-    VHI1: tl.constexpr, ASM: tl.constexpr, PERSIST: tl.constexpr,
+    VHI1: tl.constexpr, ASM: tl.constexpr, PERSIST: tl.constexpr, INDEXED: tl.constexpr,
 ):
     kv = tl.program_id(1)  # 0: the K tile, 1: the V tile
     # Each program encodes tiles pid, pid + programs, ... under a capped grid (PERSIST), else one:
@@ -113,36 +113,42 @@ def _encode_tiles_kernel(
         i1 = (tile // N2) % N1
         i0 = tile // (N1 * N2)
         o2 = i2
+        s1 = i1
+        o1 = i1
+        if INDEXED:  # tile i1 starts at input row src[i1] and goes to output row (a page) dst[i1]; < 0: none
+            s1 = tl.load(src_ptr + i1)
+            o1 = tl.load(dst_ptr + i1)
         if HAS_SLOT:  # the fields have a capacity axis: tile i2 goes to slot + i2 (read on the device)
             o2 = i2 + tl.load(slot_ptr).to(tl.int32)
-        if kv == 0:
-            off = _field_offset(i0, i1, i2, k_s0, k_s1, k_s2)
-            if ROTATE:  # model-frame keys: rotate each token (rows of [G, D]), then the tile is [D, G]
-                xk = tl.trans(_frame_rows(_load_tile(k_ptr, off, k_sc, k_sr, G, D), rot, D, inv_sqrt_d))
+        if o1 >= 0:
+            if kv == 0:
+                off = _field_offset(i0, s1, i2, k_s0, k_s1, k_s2)
+                if ROTATE:  # model-frame keys: rotate each token (rows of [G, D]), then the tile is [D, G]
+                    xk = tl.trans(_frame_rows(_load_tile(k_ptr, off, k_sc, k_sr, G, D), rot, D, inv_sqrt_d))
+                else:
+                    xk = _load_tile(k_ptr, off, k_sr, k_sc, D, G).to(tl.float32)
+                encode_one(
+                    xk,
+                    kc_ptr, _field_offset(i0, o1, o2, kc_s0, kc_s1, kc_s2),
+                    ks_ptr, _field_offset(i0, o1, o2, ks_s0, ks_s1, ks_s2),
+                    kz_ptr, _field_offset(i0, o1, o2, kz_s0, kz_s1, kz_s2),
+                    kr_ptr, _field_offset(i0, o1, o2, kr_s0, kr_s1, kr_s2),
+                    bad_ptr, norm, D, G, KB, ITERS, CHECK, KQ, KLO0, KLO1, KHI0, KHI1, k_clo, k_chi, ASM,
+                )
             else:
-                xk = _load_tile(k_ptr, off, k_sr, k_sc, D, G).to(tl.float32)
-            encode_one(
-                xk,
-                kc_ptr, _field_offset(i0, i1, o2, kc_s0, kc_s1, kc_s2),
-                ks_ptr, _field_offset(i0, i1, o2, ks_s0, ks_s1, ks_s2),
-                kz_ptr, _field_offset(i0, i1, o2, kz_s0, kz_s1, kz_s2),
-                kr_ptr, _field_offset(i0, i1, o2, kr_s0, kr_s1, kr_s2),
-                bad_ptr, norm, D, G, KB, ITERS, CHECK, KQ, KLO0, KLO1, KHI0, KHI1, k_clo, k_chi, ASM,
-            )
-        else:
-            raw = _load_tile(v_ptr, _field_offset(i0, i1, i2, v_s0, v_s1, v_s2), v_sr, v_sc, G, D)
-            if ROTATE:
-                xv = _frame_rows(raw, rot, D, inv_sqrt_d)
-            else:
-                xv = raw.to(tl.float32)
-            encode_one(
-                xv,
-                vc_ptr, _field_offset(i0, i1, o2, vc_s0, vc_s1, vc_s2),
-                vs_ptr, _field_offset(i0, i1, o2, vs_s0, vs_s1, vs_s2),
-                vz_ptr, _field_offset(i0, i1, o2, vz_s0, vz_s1, vz_s2),
-                vcs_ptr, _field_offset(i0, i1, o2, vcs_s0, vcs_s1, vcs_s2),
-                bad_ptr, norm, G, D, VB, ITERS, CHECK, VQ, VLO0, VLO1, VHI0, VHI1, v_clo, v_chi, ASM,
-            )
+                raw = _load_tile(v_ptr, _field_offset(i0, s1, i2, v_s0, v_s1, v_s2), v_sr, v_sc, G, D)
+                if ROTATE:
+                    xv = _frame_rows(raw, rot, D, inv_sqrt_d)
+                else:
+                    xv = raw.to(tl.float32)
+                encode_one(
+                    xv,
+                    vc_ptr, _field_offset(i0, o1, o2, vc_s0, vc_s1, vc_s2),
+                    vs_ptr, _field_offset(i0, o1, o2, vs_s0, vs_s1, vs_s2),
+                    vz_ptr, _field_offset(i0, o1, o2, vz_s0, vz_s1, vz_s2),
+                    vcs_ptr, _field_offset(i0, o1, o2, vcs_s0, vcs_s1, vcs_s2),
+                    bad_ptr, norm, G, D, VB, ITERS, CHECK, VQ, VLO0, VLO1, VHI0, VHI1, v_clo, v_chi, ASM,
+                )
 
 
 def _quantile_taps(q: float, n: int) -> tuple[bool, tuple]:
@@ -309,12 +315,72 @@ def encode_tiles(
         k_tiles, *_lead3(k_tiles, n_lead), k_tiles.stride(-2), k_tiles.stride(-1),
         v_tiles, *_lead3(v_tiles, n_lead), v_tiles.stride(-2), v_tiles.stride(-1),
         *args, sizes[1], sizes[2], n_tiles, flag_t, slot if slot is not None else k_tiles,
-        bad if bad is not None else k_tiles, 1.0 / math.sqrt(d), *kt[1][4:], *vt[1][4:],
+        bad if bad is not None else k_tiles, k_tiles, k_tiles, 1.0 / math.sqrt(d), *kt[1][4:], *vt[1][4:],
         D=d, G=g, KB=config.key_bits, VB=config.value_bits, ITERS=config.sinkhorn_iters,
         HAS_NORM=normalize is not None, ROTATE=rotate is not None, HAS_ROT=isinstance(rotate, tuple),
         HAS_SLOT=slot is not None, CHECK=bad is not None,
         KQ=kt[0], KLO0=kt[1][0], KLO1=kt[1][1], KHI0=kt[1][2], KHI1=kt[1][3],
         VQ=vt[0], VLO0=vt[1][0], VLO1=vt[1][1], VHI0=vt[1][2], VHI1=vt[1][3], ASM=not interpreting(),
-        PERSIST=grid < n_tiles, **opts,
+        PERSIST=grid < n_tiles, INDEXED=False, **opts,
     )
     return out
+
+
+def encode_into_pages(
+    rows_k: torch.Tensor, rows_v: torch.Tensor, src_rows: torch.Tensor, pages: torch.Tensor,
+    dst_pages: torch.Tensor, config: KVarNConfig, *, rotate: bool = False,
+) -> None:
+    """Encode tiles of G consecutive token rows into paged records, in one launch (vLLM's commit).
+
+    Twin of :func:`kvarn.paged.encode_into_pages`. ``rows_k``, ``rows_v``: ``[N, Hk, D]`` token
+    rows (a staging buffer, or a step's keys and values), any float dtype, channels contiguous;
+    in the rotated frame, or in the model frame with ``rotate`` (the kernel rotates each token).
+    ``src_rows``: int32 ``[C]``, tile ``c`` is rows ``src_rows[c] .. src_rows[c] + G - 1`` of every
+    KV head. ``pages``: uint8 ``[num_blocks, Hk, record_bytes]`` (:mod:`kvarn.record`'s tile-store
+    order); tile ``c`` is written at page ``dst_pages[c]`` (int32 ``[C]``), and skipped where that is
+    negative, so a captured graph can launch a fixed ``C`` and the host decide per replay which
+    tiles exist. No range check on the device: the host owns the indices.
+    """
+    from ..record import record_field_views
+
+    if rows_k.shape != rows_v.shape or rows_k.dim() != 3:
+        raise ValueError(f"rows_k and rows_v must be [N, Hk, D] alike, got {tuple(rows_k.shape)}, {tuple(rows_v.shape)}")
+    _, hk, d = rows_k.shape
+    if rows_k.stride(-1) != 1 or rows_v.stride(-1) != 1:
+        raise ValueError("rows_k and rows_v must be contiguous along D")
+    for name, x in (("src_rows", src_rows), ("dst_pages", dst_pages)):
+        if x.dtype != torch.int32 or x.dim() != 1:
+            raise ValueError(f"{name} must be int32 [C], got {x.dtype} {tuple(x.shape)}")
+    if src_rows.shape != dst_pages.shape:
+        raise ValueError(f"src_rows {tuple(src_rows.shape)} and dst_pages {tuple(dst_pages.shape)} differ")
+    if pages.dim() != 3 or pages.shape[1] != hk:
+        raise ValueError(f"pages must be uint8 [num_blocks, Hk={hk}, record_bytes], got {tuple(pages.shape)}")
+    if rotate:
+        check_rotate_dim(d)
+    check_device(rows_k, rows_v, src_rows, dst_pages, pages)
+    c = src_rows.shape[0]
+    if c == 0:
+        return
+    out = record_field_views(pages, config, d)  # lead [num_blocks, Hk]
+    g = config.tile
+    args = []
+    for name in ("k_codes", "k_row_scale", "k_row_zero", "k_col_scale",
+                 "v_codes", "v_col_scale", "v_row_scale", "v_row_zero"):
+        x = getattr(out, name)
+        args += [x, 0, x.stride(0), x.stride(1)]
+    kq, vq = config.quantiles
+    kt, vt = _quantile_taps(kq, g), _quantile_taps(vq, d)
+    n_tiles = c * hk
+    opts = _options(_launch_options(n_tiles, d * g, rows_k.device, kt[0] or vt[0]), None, None)
+    # Lead indices (i0, i1, i2) = (0, tile, head): a K tile [D, G] is channels x token rows.
+    _encode_tiles_kernel[(n_tiles, 2)](
+        rows_k, 0, rows_k.stride(0), rows_k.stride(1), 1, rows_k.stride(0),
+        rows_v, 0, rows_v.stride(0), rows_v.stride(1), rows_v.stride(0), 1,
+        *args, c, hk, n_tiles, rows_k, rows_k, rows_k, src_rows, dst_pages, 1.0 / math.sqrt(d),
+        *kt[1][4:], *vt[1][4:],
+        D=d, G=g, KB=config.key_bits, VB=config.value_bits, ITERS=config.sinkhorn_iters,
+        HAS_NORM=False, ROTATE=bool(rotate), HAS_ROT=False, HAS_SLOT=False, CHECK=False,
+        KQ=kt[0], KLO0=kt[1][0], KLO1=kt[1][1], KHI0=kt[1][2], KHI1=kt[1][3],
+        VQ=vt[0], VLO0=vt[1][0], VLO1=vt[1][1], VHI0=vt[1][2], VHI1=vt[1][3], ASM=not interpreting(),
+        PERSIST=False, INDEXED=True, **opts,
+    )
