@@ -77,6 +77,7 @@ def _reference_tokens(ids: list[int], n: int) -> list[int]:
 
 
 def test_greedy_tokens_match_the_transformers_path(llm, tokenizer):
+    import torch
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -91,28 +92,32 @@ def test_greedy_tokens_match_the_transformers_path(llm, tokenizer):
         report.append({"prompt_tokens": len(ids), "first_divergence": first, "vllm": got, "transformers": want})
     print(json.dumps(report))
     # The long prompt's decode read packed tiles: two were committed into records (at 256 and 384).
-    layers = llm.llm_engine.vllm_config.compilation_config.static_forward_context
-    assert all(layer.impl.tiles_committed >= 2 for layer in layers.values() if hasattr(layer, "impl"))
+    def pages(layer):
+        kv = layer.kv_cache
+        return (kv[0] if isinstance(kv, (list, tuple)) else kv).view(torch.uint8).flatten(1)
+
+    assert all(int((pages(layer) != 0).any(1).sum()) >= 2 for layer in _layers(llm))
     assert all(r["first_divergence"] == N_TOKENS for r in report), report
 
 
 def _slots_in_use(worker) -> list[int]:
     from kvarn.integrations.vllm.hooks import _kvarn_builders
 
-    return [builder.index.used for _, builder in _kvarn_builders(worker.model_runner)]
+    return [sorted(builder.pool.requests) for _, builder in _kvarn_builders(worker.model_runner)]
 
 
 def test_staging_slots_follow_the_request_lifecycle(llm, tokenizer):
-    """Slots of finished requests are freed when vLLM reports them finished, not after idle steps."""
+    """A request holds one slot while it runs; vLLM reports it finished at the next step, which frees it."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     long, short = prompts(tokenizer)
     llm.generate([TokensPrompt(prompt_token_ids=long)], SamplingParams(max_tokens=4, temperature=0.0))
     held = llm.collective_rpc(_slots_in_use)[0]
-    assert held and min(held) >= 2  # the finished request's sink and tail: vLLM reports it next step
+    assert held and all(len(ids) == 1 for ids in held)  # the finished request's, until the next step
     llm.generate([TokensPrompt(prompt_token_ids=short)], SamplingParams(max_tokens=2, temperature=0.0))
-    assert llm.collective_rpc(_slots_in_use)[0] == [1] * len(held)  # only the short request's sink block
+    now = llm.collective_rpc(_slots_in_use)[0]
+    assert all(len(ids) == 1 for ids in now) and now[0] != held[0]  # the long request's slot was freed
 
 
 _BASELINE = """
@@ -133,7 +138,7 @@ def test_kv_capacity_is_what_is_allocated_and_4x_compressed(llm, tmp_path):
     cache = llm.llm_engine.vllm_config.cache_config
     kvarn_tokens = cache.kv_cache_size_tokens
     layers = _layers(llm)
-    staging = sum(layer.impl.stage_k.numel() * layer.impl.stage_k.element_size() * 2 for layer in layers)
+    staging = sum(layer.impl.stage.numel() * layer.impl.stage.element_size() for layer in layers)
     hk, d = layers[0].impl.num_kv_heads, layers[0].impl.head_size
     record_bytes_per_token = PRESETS[PRESET].bytes_per_token(d) * hk * len(layers)
     budget = float(KV_SPACE_GIB) * 2**30
@@ -157,7 +162,7 @@ def test_worker_start_scan_survives_a_loaded_numba():
     CPU kernels, or any earlier import in the process) llvmlite's ffi.lib made it raise."""
     numba = pytest.importorskip("numba")
     numba.njit(lambda x: x + 1)(1)
-    from kvarn.integrations import vllm_plugin
+    from kvarn.integrations.vllm import plugin as vllm_plugin
     from vllm.triton_utils import dispatcher
 
     vllm_plugin.register()

@@ -2,16 +2,17 @@
 
 Paged layout. The KV block size is the tile G. ``customize_spec`` sets ``tokens_per_state = G`` and
 ``state_content_bytes = record_bytes(D)``, so a layer's cache is ``[num_blocks, Hk, 1, record]``
-(viewed as uint8): one KVarN record of docs/algorithm.md section 4 per (block, KV head), and the engine sizes
-its block pool, hence its reported KV capacity in tokens, from the record size.
+(viewed as uint8): one KVarN record per (block, KV head) (:mod:`kvarn.paged`), and the engine sizes
+its block pool, hence its reported KV capacity in tokens, from the record size. The fp sink and
+tail staging (:mod:`.staging`, one slot per running request) is reserved out of the same budget
+(:mod:`.hooks`).
 
-Per step, the metadata builder turns vLLM's block table, ``seq_lens`` and slot mapping into one
-:class:`~.plan.StepPlan` of index tensors for every layer (:mod:`.plan`). The layers
-(:class:`~.impl.KVarNAttentionImpl`) then stage their new tokens with one ``index_copy_``; the step's
-first layer encodes the tiles to commit of every layer at once (``encode_records``, in chunks of
-bounded size); each layer runs one batched decode attention for all decoding requests and one
-batched exact attention for all prefilling ones (:mod:`.exact`). The fp sink and tail staging is a
-fixed pool reserved out of vLLM's KV budget (:mod:`.staging`, :mod:`.hooks`).
+Per step, the metadata builder plans the work of every layer on the host, from host state only
+(:mod:`.plan`), and hands the index arrays to the device: for a step of one-token decodes into
+persistent buffers, so vLLM captures the layers' launches in full CUDA graphs
+(``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE``); other steps run eagerly (vLLM's piecewise
+graphs around attention). The layers (:class:`~.impl.KVarNAttentionImpl`) then commit, stage and
+attend.
 
 Sliding-window layers keep a plain full-precision paged cache (``[nb, Hk, block, 2D]``, K then V).
 Not supported (raise at construction): ALiBi, logit soft-capping, attention sinks, cross-layer KV
@@ -20,14 +21,16 @@ sharing, encoder attention, quantized sliding-window layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionMetadataBuilder,
     AttentionType,
     CommonAttentionMetadata,
@@ -37,9 +40,9 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from ...config import PRESETS, KVarNConfig, supported_head_dims
 from .hooks import install_hooks
 from .impl import KVarNAttentionImpl
-from .plan import StepPlan, build_plan
+from .plan import PrefillRow, StepPlan, build_plan, padding_plan
 from .settings import DEFAULT_PRESET, kv_cache_dtype_names, settings_from_vllm_config
-from .staging import StagingIndex
+from .staging import StagingPool
 
 
 @dataclass
@@ -53,28 +56,83 @@ class WindowMetadata:
     slot_mapping: torch.Tensor
 
 
-class KVarNMetadataBuilder(AttentionMetadataBuilder[StepPlan | WindowMetadata]):
-    """Builds one :class:`StepPlan` per step for all KVarN layers of a KV-cache group.
+@dataclass
+class KVarNMetadata:
+    """One step's plan on the device (int32 unless noted; see :class:`~.plan.StepPlan`)."""
 
-    It owns the group's staging slot table (:class:`StagingIndex`); the model runner hook of
-    :mod:`.hooks` calls :meth:`release_blocks` for requests vLLM reports finished or preempted.
-    """
+    num_tokens: int
+    uniform: bool
+    commit_src: torch.Tensor
+    commit_dst: torch.Tensor
+    move_src: torch.Tensor | None  # int64
+    move_dst: torch.Tensor | None
+    write_rows: torch.Tensor  # int64
+    dec_rows: int
+    dec_tok: torch.Tensor | None  # int64; None when the rows are the step's tokens in order
+    dec_req: torch.Tensor | None  # int64
+    dec_slot: torch.Tensor
+    dec_sink: torch.Tensor
+    dec_tail: torch.Tensor
+    dec_tiles: torch.Tensor
+    block_table: torch.Tensor  # vLLM's [rows, W]
+    prefill: list[PrefillRow]
+    post_src: torch.Tensor | None = None
+    post_dst: torch.Tensor | None = None
+    post_step_src: torch.Tensor | None = None
+    post_step_dst: torch.Tensor | None = None
+    late_tok: torch.Tensor | None = None  # int64
+    late_rows: torch.Tensor | None = None  # int64
+    dec_tile_list: torch.Tensor | None = None  # CPU decode: the pages the rows read, ragged (int64)
+    dec_tile_row: torch.Tensor | None = None  # and the decode row of each (int64)
+    scratch: dict = field(default_factory=dict)  # buffers the layers of the step share (CPU decode)
+
+
+def _is_windowed(spec: AttentionSpec) -> bool:
+    return getattr(spec, "sliding_window", None) is not None
+
+
+class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata | WindowMetadata]):
+    """Plans each step for all KVarN layers of a KV-cache group and owns the group's
+    :class:`~.staging.StagingPool`; the model runner hook of :mod:`.hooks` tells it each step's rows
+    (:meth:`kvarn_set_rows`) and the requests that left (:meth:`kvarn_release`)."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # Sliding-window layers read host block tables: attention stays outside the graphs.
+        return AttentionCGSupport.NEVER if _is_windowed(kv_cache_spec) else cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.windowed = _is_windowed(kv_cache_spec)
         settings = settings_from_vllm_config(vllm_config)
         self.config = settings.config
-        self.num_layers = len(layer_names)
-        self.index = None if self.windowed else StagingIndex(settings.slots(vllm_config))
+        self.spec_tokens = settings.spec_tokens(vllm_config)
+        sched = vllm_config.scheduler_config
+        slots = settings.slots(vllm_config)
+        if slots < sched.max_num_seqs:
+            raise ValueError(f"kvarn: {slots} staging slots for max_num_seqs={sched.max_num_seqs}; every running "
+                             "request needs one")
+        self._init_reorder_batch_threshold(1 + self.spec_tokens)  # decode rows first, as FlashAttention's builder
+        self.pool = None if self.windowed else StagingPool(slots, self.config)
+        self._rows: tuple[list[str], np.ndarray] | None = None
+        max_rows, max_tokens = sched.max_num_seqs, max(sched.max_num_batched_tokens, sched.max_num_seqs)
+        # Persistent device buffers of the one-token decode steps (the graphs read them in place).
+        self._meta = torch.zeros(6 * max_rows, dtype=torch.int32, device=device)
+        self._write = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         install_hooks(vllm_config)
 
-    def release_blocks(self, block_ids) -> None:
-        if self.index is not None:
-            self.index.release(torch.as_tensor(list(block_ids), dtype=torch.int64))
+    def kvarn_release(self, req_ids) -> None:
+        if self.pool is not None:
+            self.pool.release(req_ids)
+
+    def kvarn_set_rows(self, req_ids: list[str], block_table: np.ndarray) -> None:
+        """This step's requests in row order and the host block table (read by the next :meth:`build`)."""
+        self._rows = (req_ids, block_table)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> StepPlan | WindowMetadata:
+              fast_build: bool = False) -> KVarNMetadata | WindowMetadata:
         cam = common_attn_metadata
         r = cam.num_reqs
         if self.windowed:
@@ -85,18 +143,66 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[StepPlan | WindowMetadata]):
                 block_table=cam.block_table_tensor[:r].cpu(),
                 slot_mapping=cam.slot_mapping,
             )
-        prefilling = (cam.is_prefilling[:r].cpu() if cam.is_prefilling is not None
-                      else torch.zeros(r, dtype=torch.bool))
+        rows, self._rows = self._rows, None  # one plan per step: a later build (warm-up) plans padding
+        g = self.config.tile
         with record_function("kvarn.plan"):
-            plan = build_plan(
-                self.index, self.config.tile, self.config.sink_tokens, cam.query_start_loc_cpu[: r + 1],
-                cam.seq_lens[:r].cpu(), cam.block_table_tensor[:r].cpu(), prefilling, cam.slot_mapping.cpu(),
-                cam.num_actual_tokens, self.num_layers)
-        return plan.to(self.device)
+            if rows is None:
+                plan, bt = padding_plan(self.pool, g, self.spec_tokens, cam.num_actual_tokens, r), None
+            else:
+                req_ids, bt = rows
+                lens = cam.seq_lens_cpu_upper_bound
+                lens = (lens if lens is not None else cam.seq_lens.cpu()).numpy()
+                plan = build_plan(self.pool, req_ids, cam.query_start_loc_cpu.numpy(), lens, bt, g,
+                                  self.spec_tokens, cam.num_actual_tokens, r)
+            return self._to_device(plan, cam, bt)
+
+    def _host(self, x: np.ndarray) -> torch.Tensor:
+        # Pinned by torch's caching host allocator, which keeps the block until the copy has run.
+        t = torch.from_numpy(np.ascontiguousarray(x))
+        return t if self.device.type == "cpu" else t.pin_memory()
+
+    def _h2d(self, x: np.ndarray) -> torch.Tensor:
+        return self._host(x).to(self.device, non_blocking=True)
+
+    def _to_device(self, plan: StepPlan, cam: CommonAttentionMetadata, bt: np.ndarray | None) -> KVarNMetadata:
+        n = plan.dec_slot.shape[0]
+        if plan.uniform and self.device.type != "cpu":  # into the persistent buffers, at offsets fixed by the row count
+            packed = np.concatenate([plan.commit_src, plan.commit_dst, plan.dec_slot, plan.dec_sink,
+                                     plan.dec_tail, plan.dec_tiles]).astype(np.int32)
+            meta = self._meta[: packed.size]
+            meta.copy_(self._host(packed), non_blocking=True)
+            write = self._write[: plan.num_tokens]
+            write.copy_(self._host(plan.write_rows), non_blocking=True)
+            parts = meta.view(6, -1)
+            return KVarNMetadata(
+                num_tokens=plan.num_tokens, uniform=True, commit_src=parts[0], commit_dst=parts[1],
+                move_src=None, move_dst=None, write_rows=write, dec_rows=n, dec_tok=None, dec_req=None,
+                dec_slot=parts[2], dec_sink=parts[3], dec_tail=parts[4], dec_tiles=parts[5],
+                block_table=cam.block_table_tensor, prefill=[])
+        h = self._h2d
+        opt = (lambda x: h(x) if x is not None and x.size else None)
+        md = KVarNMetadata(
+            num_tokens=plan.num_tokens, uniform=False, commit_src=h(plan.commit_src), commit_dst=h(plan.commit_dst),
+            move_src=opt(plan.move_src), move_dst=opt(plan.move_dst), write_rows=h(plan.write_rows), dec_rows=n,
+            dec_tok=h(plan.dec_tok), dec_req=h(plan.dec_req), dec_slot=h(plan.dec_slot), dec_sink=h(plan.dec_sink),
+            dec_tail=h(plan.dec_tail), dec_tiles=h(plan.dec_tiles), block_table=cam.block_table_tensor,
+            prefill=plan.prefill, post_src=opt(plan.post_src), post_dst=opt(plan.post_dst),
+            post_step_src=opt(plan.post_step_src), post_step_dst=opt(plan.post_step_dst),
+            late_tok=opt(plan.late_tok), late_rows=opt(plan.late_rows))
+        if self.device.type == "cpu" and n and bt is not None:
+            md.dec_tile_list, md.dec_tile_row = _ragged_tiles(plan, bt, self.config)
+        elif self.device.type == "cpu":
+            md.dec_tile_list, md.dec_tile_row = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+        return md
 
 
-def _is_windowed(spec: AttentionSpec) -> bool:
-    return getattr(spec, "sliding_window", None) is not None
+def _ragged_tiles(plan: StepPlan, bt: np.ndarray, cfg: KVarNConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages every decode row reads, concatenated, and the row of each (the CPU decode's input)."""
+    counts = plan.dec_tiles.astype(np.int64)
+    row = np.repeat(np.arange(counts.size), counts)
+    col = np.arange(row.size) - np.repeat(np.cumsum(counts) - counts, counts) + cfg.sink_tokens // cfg.tile
+    pages = bt[plan.dec_req[row], col].astype(np.int64)
+    return torch.from_numpy(pages), torch.from_numpy(row)
 
 
 class KVarNAttentionBackend(AttentionBackend):
@@ -170,4 +276,4 @@ def backend_class_path(preset: str) -> str:
     return f"{__name__}.{_class_name(preset)}"
 
 
-__all__ = ["KVarNAttentionBackend", "KVarNMetadataBuilder", "backend_class_path"]
+__all__ = ["KVarNAttentionBackend", "KVarNMetadata", "KVarNMetadataBuilder", "backend_class_path"]

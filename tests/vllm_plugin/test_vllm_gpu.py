@@ -1,0 +1,99 @@
+"""The KVarN backend inside vLLM on a GPU (vLLM's CUDA build, staged as docs/vllm.md says).
+
+A small dummy-weight Llama (4 layers, 8 query / 2 KV heads, head_dim 128), bf16, vLLM's default
+mode (torch.compile and full CUDA graphs for one-token decode steps). Each engine runs in a
+subprocess (``_run``), so the engines' GPU memory is freed between them.
+
+- The Triton path (graphs) gives the greedy tokens and log-probabilities of the torch twins' path
+  (``kernels: "torch"``, eager): the same plan, the same records, only float rounding apart.
+- Many more requests than the KV budget holds (vLLM preempts and recomputes): all finish, with
+  every token; the engine never dies for lack of staging.
+- vLLM's ngram speculative decoding gives the greedy tokens of decoding without it.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+SMALL_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024, "intermediate_size": 2816,
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+    "vocab_size": 32000, "max_position_embeddings": 8192, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+    "hidden_act": "silu", "torch_dtype": "bfloat16", "tie_word_embeddings": False, "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+_WORKER = r"""
+import json, random, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+if __name__ == "__main__":
+    spec = json.loads(sys.argv[1])
+    llm = LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              max_model_len=2048, **spec["engine"])
+    rng = random.Random(spec["seed"])
+    prompts = [[rng.randrange(100, 31000) for _ in range(spec["prompt"])] for _ in range(spec["requests"])]
+    if spec.get("repeat"):  # repetitive prompts: ngram speculation finds drafts
+        prompts = [(p[:16] * 64)[: spec["prompt"]] for p in prompts]
+    params = SamplingParams(max_tokens=spec["new"], min_tokens=spec["new"], temperature=0.0, ignore_eos=True,
+                            logprobs=0)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    res = [{"tokens": list(o.outputs[0].token_ids),
+            "logprobs": [float(next(iter(lp.values())).logprob) for lp in o.outputs[0].logprobs]} for o in outs]
+    print("RESULT " + json.dumps(res), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small_llama")
+    (folder / "config.json").write_text(json.dumps(SMALL_LLAMA))
+    return str(folder)
+
+
+def _run(model, engine, requests=8, prompt=600, new=48, seed=0, repeat=False):
+    spec = {"model": model, "engine": engine, "requests": requests, "prompt": prompt, "new": new, "seed": seed,
+            "repeat": repeat}
+    proc = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(spec)], capture_output=True, text=True,
+                          timeout=600)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stderr[-4000:]
+    return json.loads(line[len("RESULT "):])
+
+
+def _kvarn(**extra):
+    return {"kvarn": {"preset": "k4v2_g128", **extra}}
+
+
+def test_graph_decode_matches_the_torch_twins(model):
+    # 600-token prompts: a sink, three records after the prefill, a fourth committed while decoding.
+    got = _run(model, {"gpu_memory_utilization": 0.3, "additional_config": _kvarn()})
+    ref = _run(model, {"gpu_memory_utilization": 0.3, "enforce_eager": True, "additional_config": _kvarn(kernels="torch")})
+    same = sum(a["tokens"] == b["tokens"] for a, b in zip(got, ref))
+    diffs = [abs(x - y) for a, b in zip(got, ref) for x, y, s, t in
+             zip(a["logprobs"][:16], b["logprobs"][:16], a["tokens"], b["tokens"]) if s == t]
+    print(json.dumps({"identical": same, "max_logprob_diff": max(diffs)}))
+    assert same >= 6, (same, [a["tokens"][:8] for a in got], [b["tokens"][:8] for b in ref])
+    assert max(diffs) < 0.1
+
+
+def test_more_requests_than_the_budget_holds_all_finish(model):
+    # About 40 requests of 1100 tokens fit in 256 MiB of records and staging: 96 force preemptions.
+    out = _run(model, {"kv_cache_memory_bytes": 256 * 2**20, "max_num_seqs": 64, "additional_config": _kvarn()},
+               requests=96, prompt=700, new=400)
+    assert len(out) == 96 and all(len(o["tokens"]) == 400 for o in out)
+
+
+def test_ngram_speculative_decoding_gives_the_same_tokens(model):
+    engine = {"gpu_memory_utilization": 0.3, "additional_config": _kvarn()}
+    plain = _run(model, engine, requests=6, prompt=300, new=96, seed=3, repeat=True)
+    spec = _run(model, {**engine, "speculative_config": {"method": "ngram", "num_speculative_tokens": 4,
+                                                           "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
+                requests=6, prompt=300, new=96, seed=3, repeat=True)
+    assert [o["tokens"] for o in spec] == [o["tokens"] for o in plain]

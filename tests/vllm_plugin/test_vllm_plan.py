@@ -1,0 +1,191 @@
+"""The vLLM adapter's host-side logic without vLLM: flag parsing, the staging pool and the step plan."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvarn.config import PRESETS
+from kvarn.integrations.vllm.plan import build_plan, padding_plan
+from kvarn.integrations.vllm.settings import is_requested, kv_cache_dtype_names, settings_from_vllm_config
+from kvarn.integrations.vllm.staging import StagingPool, slot_tokens, staging_bytes
+
+CFG = PRESETS["k4v2_g128"]
+HK, D, G = 3, 64, CFG.tile
+
+
+class _Cache:
+    def __init__(self, cache_dtype="auto"):
+        self.cache_dtype = cache_dtype
+
+
+class _VllmConfig:
+    def __init__(self, additional_config=None, cache_dtype="auto"):
+        self.additional_config = additional_config or {}
+        self.cache_config = _Cache(cache_dtype)
+
+
+def test_flag_selects_preset_and_options():
+    cfg = _VllmConfig({"kvarn": {"preset": "k2v2_g64", "sinkhorn_iters": 16, "kernels": "torch"}})
+    assert is_requested(cfg)
+    s = settings_from_vllm_config(cfg)
+    assert (s.config.name, s.config.sinkhorn_iters, s.config.sink_tokens, s.kernels) == ("k2v2_g64", 16, 64, "torch")
+    assert settings_from_vllm_config(_VllmConfig(cache_dtype="kvarn_k4v4_g128")).config.name == "k4v4_g128"
+    assert settings_from_vllm_config(_VllmConfig({"kvarn": "k4v2_g64"})).config.name == "k4v2_g64"
+    assert not is_requested(_VllmConfig())
+    assert is_requested(_VllmConfig(), custom_backend_selected=True)
+    assert settings_from_vllm_config(_VllmConfig()).config.name == "k4v2_g128"
+    assert "kvarn_k4v2_g128" in kv_cache_dtype_names()
+
+
+def test_kvarn_auto_is_refused_naming_the_supported_methods():
+    cfg = _VllmConfig({"kvarn": {"preset": "k2v2_g128", "method": "kvarn-auto"}})
+    with pytest.raises(ValueError, match=r"method='kvarn-auto' is not supported.*\['kvarn'\]"):
+        settings_from_vllm_config(cfg)
+    ok = _VllmConfig({"kvarn": {"preset": "k2v2_g128", "method": "kvarn"}})
+    assert settings_from_vllm_config(ok).config.name == "k2v2_g128"
+
+
+@pytest.mark.parametrize("bad", [{"kvarn": {"preset": "k3v3"}}, {"kvarn": {"tile": 64}}, {"kvarn": {"kernels": "cuda"}},
+                                 {"kvarn": {"staging_slots": 0}}, {"kvarn": {"stale_steps": 64}}])
+def test_flag_rejects_bad_values(bad):
+    with pytest.raises(ValueError):
+        settings_from_vllm_config(_VllmConfig(bad))
+
+
+
+S = CFG.sink_tokens
+
+
+class _Step:
+    """Drives build_plan like the builder: rows of (request id, tokens before, new tokens)."""
+
+    def __init__(self, slots=4, spec=0, width=64):
+        self.pool = StagingPool(slots, CFG)
+        self.spec = spec
+        self.length = slot_tokens(CFG, spec)
+        # request i's block j is page 100 * (i + 1) + j
+        self.bt = np.array([[100 * (i + 1) + j for j in range(width)] for i in range(slots)], dtype=np.int32)
+
+    def __call__(self, rows, pad_rows=0, pad_tokens=0):
+        qsl = np.cumsum([0] + [n for _, _, n in rows])
+        lens = np.array([c + n for _, c, n in rows])
+        bt = self.bt[[int(r[1:]) for r, _, _ in rows]] if rows else self.bt[:0]
+        return build_plan(self.pool, [r for r, _, _ in rows], qsl, lens, bt, G, self.spec,
+                          int(qsl[-1]) + pad_tokens, len(rows) + pad_rows)
+
+    def base(self, req):
+        return self.pool.requests[req].slot * self.length
+
+
+def test_prompt_then_decode_commits_each_tile_once_from_accepted_tokens():
+    step = _Step()
+    plan = step([("r0", 0, 300)])  # a 300-token prompt in one chunk
+    b = step.base("r0")
+    assert not plan.uniform and len(plan.prefill) == 1 and plan.prefill[0].ctx == 0
+    assert plan.write_rows[:256].tolist() == list(range(b, b + 256))  # sink, then tile 1 in the tail rows
+    assert set(plan.write_rows[256:].tolist()) == {step.pool.trash * step.length}  # staged after the commit
+    assert plan.post_src.tolist() == [b + S] and plan.post_dst.tolist() == [101]  # tile 1 from the tail rows
+    assert plan.post_step_src.size == 0  # no other tile completed
+    assert plan.late_tok.tolist() == list(range(256, 300)) and plan.late_rows.tolist() == list(range(b + S, b + S + 44))
+    st = step.pool.requests["r0"]
+    assert (st.committed, st.tail_base) == (2, 256)
+    plan = step([("r0", 300, 1)])  # decode: sink + 1 record + 45 tail tokens
+    assert plan.uniform and plan.commit_dst.tolist() == [-1]
+    assert (plan.dec_sink[0], plan.dec_tiles[0], plan.dec_tail[0]) == (S, 1, 45)
+    assert plan.write_rows.tolist() == [b + S + 44]
+    for ctx in range(301, 384):
+        plan = step([("r0", ctx, 1)])
+        assert plan.commit_dst.tolist() == [-1]
+    plan = step([("r0", 384, 1)])  # tile 2 ended at the last step: committed now, from the tail rows
+    assert plan.commit_src.tolist() == [b + S] and plan.commit_dst.tolist() == [102]
+    assert plan.write_rows.tolist() == [b + S] and (plan.dec_tiles[0], plan.dec_tail[0]) == (2, 1)
+
+
+def test_long_prompt_commits_middle_tiles_from_the_step_rows():
+    step = _Step()
+    plan = step([("r0", 0, 700)])
+    assert plan.post_src.tolist() == [step.base("r0") + S]
+    assert plan.post_step_src.tolist() == [256, 384, 512] and plan.post_step_dst.tolist() == [102, 103, 104]
+    assert plan.late_tok.tolist() == list(range(640, 700))
+    assert (step.pool.requests["r0"].committed, step.pool.requests["r0"].tail_base) == (5, 640)
+
+
+def test_continuing_chunk_reads_its_history_and_commits_what_it_completes():
+    step = _Step()
+    step([("r0", 0, 200)])  # first chunk: sink + 72 tokens of tile 1, nothing committed
+    assert step.pool.requests["r0"].committed == 1
+    plan = step([("r0", 200, 200)])
+    row = plan.prefill[0]
+    assert (row.ctx, row.tail_base, row.tiles.tolist()) == (200, 128, [])
+    b = step.base("r0")
+    assert plan.write_rows[:56].tolist() == list(range(b + S + 72, b + S + 128))  # the rest of tile 1
+    assert plan.post_src.tolist() == [b + S] and plan.post_dst.tolist() == [101]
+    assert plan.post_step_src.tolist() == [56] and plan.post_step_dst.tolist() == [102]  # tile 2 from the step
+    assert plan.late_tok.tolist() == list(range(184, 200))  # positions 384..399
+    plan = step([("r0", 400, 300)])
+    assert plan.prefill[0].tiles.tolist() == [101, 102]
+
+
+def test_draft_tokens_are_committed_only_once_accepted_and_moved():
+    step = _Step(spec=4)
+    step([("r0", 0, 250)])
+    plan = step([("r0", 250, 5)])  # decode + 4 drafts: positions 250..254 in the tail rows
+    b = step.base("r0")
+    assert plan.dec_tok.tolist() == [0, 1, 2, 3, 4] and plan.dec_tail.tolist() == [123, 124, 125, 126, 127]
+    plan = step([("r0", 253, 5)])  # 2 drafts rejected: positions 253..257, crossing into the draft rows
+    assert plan.commit_dst.tolist() == []  # tile 1 is not accepted yet (ctx 253)
+    assert plan.write_rows.tolist() == list(range(b + S + 125, b + S + 130))
+    plan = step([("r0", 258, 5)])  # all accepted: tile 1 committed, tokens 256, 257 move to the front
+    assert plan.commit_src.tolist() == [b + S] and plan.commit_dst.tolist() == [101]
+    assert plan.move_src.tolist() == [b + S + 128, b + S + 129] and plan.move_dst.tolist() == [b + S, b + S + 1]
+    assert plan.write_rows.tolist() == list(range(b + S + 2, b + S + 7))
+    assert plan.dec_tiles.tolist() == [1] * 5 and plan.dec_tail.tolist() == [3, 4, 5, 6, 7]
+
+
+def test_short_prompt_stays_in_the_sink_and_padding_rows_see_nothing():
+    step = _Step()
+    plan = step([("r0", 0, 1), ("r1", 10, 1)], pad_rows=2, pad_tokens=2)
+    assert plan.uniform and plan.commit_dst.tolist() == [-1] * 4
+    assert plan.dec_slot[2:].tolist() == [step.pool.trash] * 2
+    assert plan.dec_sink.tolist() == [1, 11, 0, 0] and plan.dec_tail.tolist() == [0, 0, 0, 0]
+    pad = padding_plan(step.pool, G, 0, 8, 8)
+    assert pad.uniform and (pad.commit_dst == -1).all() and (pad.dec_sink == 0).all()
+    assert set(pad.write_rows.tolist()) == {step.pool.trash * step.length}
+
+
+def test_pool_gives_every_running_request_a_slot_and_reuses_freed_ones():
+    pool = StagingPool(2, CFG)
+    a, b = pool.stage_of("a").slot, pool.stage_of("b").slot
+    assert {a, b} == {0, 1} and pool.used == 2
+    with pytest.raises(RuntimeError, match="sized from max_num_seqs"):
+        pool.stage_of("c")  # a third running request: vLLM never schedules more than max_num_seqs
+    pool.release(["a", "unknown"])
+    assert pool.stage_of("c").slot == a and pool.used == 2
+
+
+def test_staging_bytes_counts_sink_tail_and_draft_rows():
+    assert slot_tokens(CFG, 0) == S + G and slot_tokens(CFG, 4) == S + G + 4
+    assert staging_bytes(3, CFG, 0, HK, D, torch.bfloat16) == 4 * (S + G) * 2 * HK * D * 2
+
+
+class _Spec:
+    def __init__(self, n):
+        self.num_speculative_tokens = n
+
+
+class _Sched:
+    def __init__(self, seqs=8, async_scheduling=False):
+        self.max_num_seqs, self.async_scheduling = seqs, async_scheduling
+
+
+def test_settings_size_the_pool_and_the_draft_rows():
+    cfg = _VllmConfig({"kvarn": {"preset": "k4v2_g128", "staging_slots": 5}})
+    cfg.scheduler_config, cfg.speculative_config = _Sched(), _Spec(4)
+    s = settings_from_vllm_config(cfg)
+    assert s.slots(cfg) == 5 and s.spec_tokens(cfg) == 4
+    cfg.speculative_config = _Spec(G)
+    with pytest.raises(ValueError, match="below the tile"):
+        s.spec_tokens(cfg)
+    cfg.speculative_config, cfg.scheduler_config = _Spec(2), _Sched(async_scheduling=True)
+    with pytest.raises(ValueError, match="no-async-scheduling"):
+        s.spec_tokens(cfg)
