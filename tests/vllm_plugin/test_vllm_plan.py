@@ -74,7 +74,7 @@ class _Step:
                           int(qsl[-1]) + pad_tokens, len(rows) + pad_rows)
 
     def base(self, req):
-        return self.pool.requests[req].slot * self.length
+        return self.pool.slot_of[req] * self.length
 
 
 def test_prompt_then_decode_commits_each_tile_once_from_accepted_tokens():
@@ -87,8 +87,8 @@ def test_prompt_then_decode_commits_each_tile_once_from_accepted_tokens():
     assert plan.post_src.tolist() == [b + S] and plan.post_dst.tolist() == [101]  # tile 1 from the tail rows
     assert plan.post_step_src.size == 0  # no other tile completed
     assert plan.late_tok.tolist() == list(range(256, 300)) and plan.late_rows.tolist() == list(range(b + S, b + S + 44))
-    st = step.pool.requests["r0"]
-    assert (st.committed, st.tail_base) == (2, 256)
+    slot = step.pool.slot_of["r0"]
+    assert (step.pool.committed[slot], step.pool.tail_base[slot]) == (2, 256)
     plan = step([("r0", 300, 1)])  # decode: sink + 1 record + 45 tail tokens
     assert plan.uniform and plan.commit_dst.tolist() == [-1]
     assert (plan.dec_sink[0], plan.dec_tiles[0], plan.dec_tail[0]) == (S, 1, 45)
@@ -107,13 +107,14 @@ def test_long_prompt_commits_middle_tiles_from_the_step_rows():
     assert plan.post_src.tolist() == [step.base("r0") + S]
     assert plan.post_step_src.tolist() == [256, 384, 512] and plan.post_step_dst.tolist() == [102, 103, 104]
     assert plan.late_tok.tolist() == list(range(640, 700))
-    assert (step.pool.requests["r0"].committed, step.pool.requests["r0"].tail_base) == (5, 640)
+    slot = step.pool.slot_of["r0"]
+    assert (step.pool.committed[slot], step.pool.tail_base[slot]) == (5, 640)
 
 
 def test_continuing_chunk_reads_its_history_and_commits_what_it_completes():
     step = _Step()
     step([("r0", 0, 200)])  # first chunk: sink + 72 tokens of tile 1, nothing committed
-    assert step.pool.requests["r0"].committed == 1
+    assert step.pool.committed[step.pool.slot_of["r0"]] == 1
     plan = step([("r0", 200, 200)])
     row = plan.prefill[0]
     assert (row.ctx, row.tail_base, row.tiles.tolist()) == (200, 128, [])
@@ -129,6 +130,8 @@ def test_continuing_chunk_reads_its_history_and_commits_what_it_completes():
 def test_draft_tokens_are_committed_only_once_accepted_and_moved():
     step = _Step(spec=4)
     step([("r0", 0, 250)])
+    plan = step([("r0", 250, 1)])  # with drafts possible a one-token step is planned as the others
+    assert not plan.uniform and plan.dec_tail.tolist() == [123]
     plan = step([("r0", 250, 5)])  # decode + 4 drafts: positions 250..254 in the tail rows
     b = step.base("r0")
     assert plan.dec_tok.tolist() == [0, 1, 2, 3, 4] and plan.dec_tail.tolist() == [123, 124, 125, 126, 127]
@@ -155,12 +158,14 @@ def test_short_prompt_stays_in_the_sink_and_padding_rows_see_nothing():
 
 def test_pool_gives_every_running_request_a_slot_and_reuses_freed_ones():
     pool = StagingPool(2, CFG)
-    a, b = pool.stage_of("a").slot, pool.stage_of("b").slot
+    a, b = pool.slots_for(["a", "b"]).tolist()
     assert {a, b} == {0, 1} and pool.used == 2
+    pool.committed[a] = 5
     with pytest.raises(RuntimeError, match="sized from max_num_seqs"):
-        pool.stage_of("c")  # a third running request: vLLM never schedules more than max_num_seqs
+        pool.slots_for(["c"])  # a third running request: vLLM never schedules more than max_num_seqs
     pool.release(["a", "unknown"])
-    assert pool.stage_of("c").slot == a and pool.used == 2
+    assert pool.slots_for(["c"]).tolist() == [a] and pool.used == 2
+    assert pool.committed[a] == pool.sink_tiles  # a new request starts with its sink only
 
 
 def test_staging_bytes_counts_sink_tail_and_draft_rows():

@@ -87,105 +87,135 @@ def build_plan(pool: StagingPool, req_ids: list[str], query_start_loc: np.ndarra
     ``[>= rows + 1]``, ``seq_lens`` ``[>= rows]``, ``block_table`` ``[>= rows, W]``: host arrays;
     ``num_tokens`` / ``num_rows``: the step's sizes with padding.
     """
+    real = len(req_ids)
+    qsl = np.asarray(query_start_loc[: real + 1], dtype=np.int64)
+    n = qsl[1:] - qsl[:-1]
+    total = np.asarray(seq_lens[:real], dtype=np.int64)
+    slots = pool.slots_for(req_ids)
+    # With speculative decoding a one-token row may still move accepted drafts, and vLLM captures no
+    # one-token graphs then: such steps take the general path.
+    if real and (n == 1).all() and num_tokens == num_rows and not spec_tokens:
+        return _decode_step(pool, slots, total - 1, block_table, tile, spec_tokens, num_rows)
+    return _general_step(pool, slots, qsl, n, total, block_table, tile, spec_tokens, num_tokens, num_rows)
+
+
+def _commit_accepted(pool: StagingPool, slots: np.ndarray, ctx: np.ndarray, block_table: np.ndarray, tile: int,
+                     length: int, rows: np.ndarray):
+    """Step 1 for the given rows: the tile each row's accepted tokens completed (at most one: a
+    decode row's tokens stay within G + E of its tail). Returns (src, dst, move_src, move_dst) and
+    advances the rows' state."""
     g, s = tile, pool.sink_tokens
-    length = s + g + spec_tokens  # rows of a slot
+    st = slots[rows]
+    due = np.maximum(ctx[rows] // g, pool.committed[st]) > pool.committed[st]
+    r, st, c = rows[due], st[due], ctx[rows][due]
+    j = pool.committed[st]
+    if (j * g != pool.tail_base[st]).any() or (c // g > j + 1).any():
+        raise RuntimeError(f"kvarn: a commit of tiles {j.tolist()} whose tokens are not all staged")
+    src = st * length + s
+    dst = block_table[r, j]
+    nxt = np.maximum(s, (c // g) * g)
+    extra = c - nxt  # accepted draft tokens past the tile: to the front of the tail rows
+    move_src = [np.arange(a + g, a + g + e) for a, e in zip(src, extra) if e > 0]
+    move_dst = [np.arange(a, a + e) for a, e in zip(src, extra) if e > 0]
+    pool.committed[st] = j + 1
+    pool.tail_base[st] = nxt
+    cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64))
+    return src, dst, cat(move_src), cat(move_dst)
+
+
+def _decode_step(pool, slots, ctx, block_table, tile, spec_tokens, num_rows) -> StepPlan:
+    """Every row decodes one token: vector operations over the rows, one commit entry per row."""
+    g, s = tile, pool.sink_tokens
+    length = s + g + spec_tokens
+    real = slots.size
+    src, dst, move_src, _ = _commit_accepted(pool, slots, ctx, block_table, tile, length, np.arange(real))
+    if move_src.size:
+        raise RuntimeError("kvarn: a one-token decode step moved draft tokens")
+    tb = pool.tail_base[slots]
+    base = slots * length
+    commit_src = np.zeros(num_rows, dtype=np.int32)
+    commit_dst = np.full(num_rows, -1, dtype=np.int32)
+    commit_src[: src.size], commit_dst[: dst.size] = src, dst
+    pad = num_rows - real
+    write = np.full(num_rows, pool.trash * length, dtype=np.int64)
+    write[:real] = np.where(ctx < s, base + ctx, base + s + ctx - tb)
+    dslot = np.concatenate([slots, np.full(pad, pool.trash)]).astype(np.int32)
+    zeros = np.zeros(pad, dtype=np.int32)
+    sink = np.concatenate([np.minimum(ctx + 1, s), zeros]).astype(np.int32)
+    tail = np.concatenate([np.where(ctx >= s, ctx + 1 - tb, 0), zeros]).astype(np.int32)
+    tiles = np.concatenate([(tb - s) // g, zeros]).astype(np.int32)
+    rows = np.arange(num_rows, dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
+    return StepPlan(num_tokens=num_rows, uniform=True, commit_src=commit_src, commit_dst=commit_dst,
+                    move_src=empty, move_dst=empty, write_rows=write, dec_tok=rows, dec_req=rows, dec_slot=dslot,
+                    dec_sink=sink, dec_tail=tail, dec_tiles=tiles)
+
+
+def _general_step(pool, slots, qsl, n, total, block_table, tile, spec_tokens, num_tokens, num_rows) -> StepPlan:
+    """Any mix of decode rows and prefill chunks (eager steps): per row."""
+    g, s = tile, pool.sink_tokens
+    length = s + g + spec_tokens
     trash_row = pool.trash * length
+    ctx = total - n
+    active = np.nonzero(n > 0)[0]
+    commit_src, commit_dst, move_src, move_dst = _commit_accepted(pool, slots, ctx, block_table, tile, length, active)
     write_rows = np.full(num_tokens, trash_row, dtype=np.int64)
-    commit_src, commit_dst, move_src, move_dst = [], [], [], []
     dec = {k: [] for k in ("tok", "req", "slot", "sink", "tail", "tiles")}
     prefill, post_src, post_dst, post_step_src, post_step_dst, late_tok, late_rows = [], [], [], [], [], [], []
-    uniform = num_tokens == num_rows
-    for r, req_id in enumerate(req_ids):
-        t0, t1 = int(query_start_loc[r]), int(query_start_loc[r + 1])
-        n, total = t1 - t0, int(seq_lens[r])
-        ctx = total - n
-        if n <= 0:
-            uniform = False
-            continue
-        st = pool.stage_of(req_id)
-        base = st.slot * length
-        # 1. the tile the last step completed (at most one: a decode row's tokens stay within G + E)
-        accepted = max(ctx // g, st.committed)
-        for j in range(st.committed, accepted):
-            if j * g != st.tail_base:
-                raise RuntimeError(f"kvarn: request {req_id} would commit tile {j} whose tokens are not staged "
-                                   f"(tail at {st.tail_base})")
-            commit_src.append(base + s)
-            commit_dst.append(int(block_table[r, j]))
-            st.committed = j + 1
-            nxt = max(s, (ctx // g) * g)
-            if ctx > nxt:  # accepted draft tokens past the tile: to the front of the tail rows
-                move_src.extend(range(base + s + g, base + s + g + ctx - nxt))
-                move_dst.extend(range(base + s, base + s + ctx - nxt))
-                uniform = False
-            st.tail_base = nxt
-        tb = st.tail_base
-        pos = np.arange(ctx, total)
-        if n <= 1 + spec_tokens:  # decode rows
-            if n != 1:
-                uniform = False
-            rows = np.where(pos < s, base + pos, base + s + pos - tb)
-            write_rows[t0:t1] = rows
+    for r in active.tolist():
+        t0, t1, c, end, slot = int(qsl[r]), int(qsl[r + 1]), int(ctx[r]), int(total[r]), int(slots[r])
+        base, tb = slot * length, int(pool.tail_base[slot])
+        pos = np.arange(c, end)
+        if t1 - t0 <= 1 + spec_tokens:  # decode rows
+            write_rows[t0:t1] = np.where(pos < s, base + pos, base + s + pos - tb)
             dec["tok"].append(np.arange(t0, t1))
-            dec["req"].append(np.full(n, r))
-            dec["slot"].append(np.full(n, st.slot))
+            dec["req"].append(np.full(t1 - t0, r))
+            dec["slot"].append(np.full(t1 - t0, slot))
             dec["sink"].append(np.minimum(pos + 1, s))
-            dec["tail"].append(np.maximum(pos + 1 - tb, 0) if total > s else np.zeros(n, dtype=np.int64))
-            dec["tiles"].append(np.full(n, (tb - s) // g))
+            dec["tail"].append(np.where(pos >= s, pos + 1 - tb, 0))
+            dec["tiles"].append(np.full(t1 - t0, (tb - s) // g))
             continue
-        uniform = False
-        # 2. phase A: the sink and the tile the tail rows hold
+        # phase A: the sink and the tile the tail rows hold
         first = (pos < s) | ((pos >= tb) & (pos < tb + g))
         write_rows[t0:t1] = np.where(first, np.where(pos < s, base + pos, base + s + pos - tb), trash_row)
-        prefill.append(PrefillRow(r, t0, n, ctx, st.slot, tb, _i32(block_table[r, pool.sink_tiles:tb // g])))
-        # 4. after attention: the tiles the chunk completes, then its unfinished last tile
-        done = total // g
-        for j in range(max(tb // g, st.committed), done):
+        prefill.append(PrefillRow(r, t0, t1 - t0, c, slot, tb, _i32(block_table[r, pool.sink_tiles:tb // g])))
+        # after attention: the tiles the chunk completes, then its unfinished last tile
+        done = end // g
+        for j in range(max(tb // g, int(pool.committed[slot])), done):
             if j * g == tb:
                 post_src.append(base + s)
+                post_dst.append(int(block_table[r, j]))
             else:
-                post_step_src.append(t0 + j * g - ctx)
+                post_step_src.append(t0 + j * g - c)
                 post_step_dst.append(int(block_table[r, j]))
-                continue
-            post_dst.append(int(block_table[r, j]))
-        if done > st.committed and total >= s:
-            st.committed = done
+        if done > pool.committed[slot] and end >= s:
+            pool.committed[slot] = done
             new_tb = max(s, done * g)
             late = pos >= max(new_tb, tb + g)
             late_tok.append(np.arange(t0, t1)[late])
             late_rows.append(base + s + pos[late] - new_tb)
-            st.tail_base = new_tb
-    real_rows = len(req_ids)
-    if uniform:  # one commit entry per row, padding included: the launch has the graph's size
-        src = np.zeros(num_rows, dtype=np.int32)
-        dst = np.full(num_rows, -1, dtype=np.int32)
-        for i, (a, b) in enumerate(zip(commit_src, commit_dst)):
-            src[i], dst[i] = a, b
-        commit_src, commit_dst = src, dst
+            pool.tail_base[slot] = new_tb
     cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dtype=dt))
-    dec_arrays = {k: cat(v, np.int64 if k in ("tok", "req") else np.int32) for k, v in dec.items()}
-    if uniform and num_rows > real_rows:  # padded rows: a decode row that sees no key
-        pad = num_rows - real_rows
-        dec_arrays["tok"] = np.concatenate([dec_arrays["tok"], np.arange(real_rows, num_rows)])
-        dec_arrays["req"] = np.concatenate([dec_arrays["req"], np.arange(real_rows, num_rows)])
-        dec_arrays["slot"] = np.concatenate([dec_arrays["slot"], np.full(pad, pool.trash, dtype=np.int32)])
-        for k in ("sink", "tail", "tiles"):
-            dec_arrays[k] = np.concatenate([dec_arrays[k], np.zeros(pad, dtype=np.int32)])
     return StepPlan(
-        num_tokens=num_tokens, uniform=uniform, commit_src=_i32(commit_src), commit_dst=_i32(commit_dst),
+        num_tokens=num_tokens, uniform=False, commit_src=_i32(commit_src), commit_dst=_i32(commit_dst),
         move_src=_i64(move_src), move_dst=_i64(move_dst), write_rows=write_rows,
-        dec_tok=dec_arrays["tok"], dec_req=dec_arrays["req"], dec_slot=dec_arrays["slot"],
-        dec_sink=dec_arrays["sink"], dec_tail=dec_arrays["tail"], dec_tiles=dec_arrays["tiles"],
-        prefill=prefill, post_src=_i32(post_src), post_dst=_i32(post_dst), post_step_src=_i32(post_step_src),
-        post_step_dst=_i32(post_step_dst), late_tok=cat(late_tok, np.int64), late_rows=cat(late_rows, np.int64),
+        dec_tok=cat(dec["tok"], np.int64), dec_req=cat(dec["req"], np.int64), dec_slot=cat(dec["slot"], np.int32),
+        dec_sink=cat(dec["sink"], np.int32), dec_tail=cat(dec["tail"], np.int32),
+        dec_tiles=cat(dec["tiles"], np.int32), prefill=prefill, post_src=_i32(post_src), post_dst=_i32(post_dst),
+        post_step_src=_i32(post_step_src), post_step_dst=_i32(post_step_dst), late_tok=cat(late_tok, np.int64),
+        late_rows=cat(late_rows, np.int64),
     )
 
 
 def padding_plan(pool: StagingPool, tile: int, spec_tokens: int, num_tokens: int, num_rows: int) -> StepPlan:
-    """A step with no real rows (warm-up, graph capture): the launches of :func:`build_plan` for
-    ``num_rows`` padded rows, every write to the trash slot, no commit, no key seen."""
-    return build_plan(pool, [], np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64),
-                      np.zeros((0, 1), dtype=np.int32), tile, spec_tokens, num_tokens, num_rows)
+    """A step with no real rows (warm-up, graph capture): the launches of a one-token decode step
+    of ``num_rows`` padded rows, every write to the trash slot, no commit, no key seen."""
+    none = np.zeros(0, dtype=np.int64)
+    bt = np.zeros((0, 1), dtype=np.int32)
+    if num_tokens == num_rows and not spec_tokens:
+        return _decode_step(pool, none, none, bt, tile, spec_tokens, num_rows)
+    return _general_step(pool, none, np.zeros(1, dtype=np.int64), none, none, bt, tile, spec_tokens, num_tokens,
+                         num_rows)
 
 
 __all__ = ["PrefillRow", "StepPlan", "build_plan", "padding_plan"]

@@ -23,8 +23,7 @@ the slots of finished and preempted requests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 
 from ...config import KVarNConfig
@@ -42,47 +41,45 @@ def staging_bytes(slots: int, config: KVarNConfig, spec_tokens: int, num_kv_head
     return (slots + 1) * slot_tokens(config, spec_tokens) * 2 * num_kv_heads * head_dim * itemsize
 
 
-@dataclass
-class RequestStage:
-    """Host state of one request's staging slot."""
-
-    slot: int
-    committed: int  # tiles below this index are in records (or are the sink)
-    tail_base: int  # position of the first token in the tail rows
-
-
 class StagingPool:
-    """Slots of one KV-cache group, shared by its layers: request id -> :class:`RequestStage`."""
+    """Slots of one KV-cache group, shared by its layers: request id -> slot, and per slot (host
+    arrays, so a decode step is planned with a few vector operations) how many tiles are committed
+    (tiles below that index are records, or the sink) and the position of the tail's first token."""
 
     def __init__(self, slots: int, config: KVarNConfig):
         self.slots = slots
         self.trash = slots  # the padded tokens' slot
         self.sink_tiles = config.sink_tokens // config.tile
         self.sink_tokens = config.sink_tokens
-        self.requests: dict[str, RequestStage] = {}
+        self.slot_of: dict[str, int] = {}
+        self.committed = np.full(slots + 1, self.sink_tiles, dtype=np.int64)
+        self.tail_base = np.full(slots + 1, self.sink_tokens, dtype=np.int64)
         self._free = list(range(slots - 1, -1, -1))
 
     @property
     def used(self) -> int:
         return self.slots - len(self._free)
 
-    def stage_of(self, req_id: str) -> RequestStage:
-        """The request's state; a request seen for the first time gets a free slot."""
-        st = self.requests.get(req_id)
-        if st is None:
-            if not self._free:  # more running requests than max_num_seqs: vLLM never schedules that
-                raise RuntimeError(f"kvarn: {self.slots} staging slots for more running requests "
-                                   f"({len(self.requests) + 1}); the pool is sized from max_num_seqs")
-            st = RequestStage(self._free.pop(), self.sink_tiles, self.sink_tokens)
-            self.requests[req_id] = st
-        return st
+    def slots_for(self, req_ids: list[str]) -> np.ndarray:
+        """The requests' slots; a request seen for the first time gets a free one, its state reset."""
+        out = np.empty(len(req_ids), dtype=np.int64)
+        for i, req_id in enumerate(req_ids):
+            slot = self.slot_of.get(req_id)
+            if slot is None:
+                if not self._free:  # more running requests than max_num_seqs: vLLM never schedules that
+                    raise RuntimeError(f"kvarn: {self.slots} staging slots for more running requests "
+                                       f"({len(self.slot_of) + 1}); the pool is sized from max_num_seqs")
+                slot = self.slot_of[req_id] = self._free.pop()
+                self.committed[slot], self.tail_base[slot] = self.sink_tiles, self.sink_tokens
+            out[i] = slot
+        return out
 
     def release(self, req_ids) -> None:
         """The requests finished or were preempted: their slots are free (a resumed request starts over)."""
         for req_id in req_ids:
-            st = self.requests.pop(req_id, None)
-            if st is not None:
-                self._free.append(st.slot)
+            slot = self.slot_of.pop(req_id, None)
+            if slot is not None:
+                self._free.append(slot)
 
 
-__all__ = ["RequestStage", "StagingPool", "slot_tokens", "staging_bytes"]
+__all__ = ["StagingPool", "slot_tokens", "staging_bytes"]
