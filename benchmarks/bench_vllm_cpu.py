@@ -53,9 +53,8 @@ def _kv_memory(worker) -> dict:
     staging = 0
     for layer in worker.vllm_config.compilation_config.static_forward_context.values():
         impl = getattr(layer, "impl", None)
-        for name in ("stage_k", "stage_v"):
-            t = getattr(impl, name, None)
-            staging += 0 if t is None else t.numel() * t.element_size()
+        t = getattr(impl, "stage", None)
+        staging += 0 if t is None else t.numel() * t.element_size()
     return {"budget_bytes": getattr(worker, "kvarn_kv_budget_bytes", None), "paged_bytes": paged,
             "staging_bytes": staging}
 

@@ -183,6 +183,8 @@ def main() -> None:
                 probes[backend] = res["probe"]
             if "error" in res:
                 rows.append({"scenario": ",".join(names), "backend": backend, "error": res["error"][-500:]})
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"partial": True, "rows": rows, "engine_deaths": deaths}, indent=1))
     logprobs = {b: compare_probe(probes["default"], p, args.logprob_steps)
                 for b, p in probes.items() if b != "default" and "default" in probes}
     spec_result = None

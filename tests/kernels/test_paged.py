@@ -11,7 +11,8 @@ import torch
 from kvarn import PRESETS
 from kvarn import paged as twin
 from kvarn.hadamard import rotate
-from kvarn.record import store_records
+from kvarn.codec import decode_tiles
+from kvarn.record import record_field_views, store_records
 
 kernels = pytest.importorskip("kvarn.kernels")
 from kvarn.kernels.decode import paged_decode_attention  # noqa: E402
@@ -28,7 +29,7 @@ def _rows(n, hk, d, device, seed=0):
 @pytest.mark.parametrize("rotate_in_kernel", [False, True])
 def test_encode_into_pages_is_the_encoder_at_indexed_rows(kdevice, preset, rotate_in_kernel):
     """Bit for bit the tile encoder's records for the same tiles (the same arithmetic), at the
-    pages named; pages with no tile (-1) untouched; within the encoder's own allowance of the twin."""
+    pages named; pages with no tile (-1) untouched; decoded, within the twin's rounding."""
     cfg = PRESETS[preset]
     hk, d, g = 2, 64, cfg.tile
     k, v = _rows(4 * g, hk, d, kdevice, 1), _rows(4 * g, hk, d, kdevice, 2)
@@ -43,9 +44,15 @@ def test_encode_into_pages_is_the_encoder_at_indexed_rows(kdevice, preset, rotat
     vt = v[idx].permute(0, 2, 1, 3)  # [C, Hk, G, D]
     fields = kernels.encode_tiles(kt, vt, cfg, rotate=True if rotate_in_kernel else None)
     assert torch.equal(got[dst[keep].long()], store_records(fields, cfg, d))
+    # The twin's records: the encoder's own tests bound code flips and scale ulps (reduction order);
+    # here the decoded tiles agree to a small fraction of the quantization step.
     want = torch.full_like(got.cpu(), 7)
     twin.encode_into_pages(k.cpu(), v.cpu(), src.cpu(), want, dst.cpu(), cfg, rotate=rotate_in_kernel)
-    assert (got.cpu() != want).float().mean().item() <= 1e-3  # reduction-order ties and last ulps only
+    pages = dst[keep].long().cpu()
+    a = decode_tiles(record_field_views(got.cpu()[pages], cfg, d), cfg)
+    b = decode_tiles(record_field_views(want[pages], cfg, d), cfg)
+    for x, y in zip(a, b):
+        assert (x - y).abs().mean() <= 0.02 * y.abs().mean()
 
 
 def _paged_case(device, cfg, hq=4, hk=2, d=64, rows=5, seed=0):

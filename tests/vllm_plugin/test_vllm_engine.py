@@ -103,7 +103,7 @@ def test_greedy_tokens_match_the_transformers_path(llm, tokenizer):
 def _slots_in_use(worker) -> list[int]:
     from kvarn.integrations.vllm.hooks import _kvarn_builders
 
-    return [sorted(builder.pool.requests) for _, builder in _kvarn_builders(worker.model_runner)]
+    return [sorted(builder.pool.slot_of) for _, builder in _kvarn_builders(worker.model_runner)]
 
 
 def test_staging_slots_follow_the_request_lifecycle(llm, tokenizer):

@@ -189,6 +189,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata | WindowMetada
             prefill=plan.prefill, post_src=opt(plan.post_src), post_dst=opt(plan.post_dst),
             post_step_src=opt(plan.post_step_src), post_step_dst=opt(plan.post_step_dst),
             late_tok=opt(plan.late_tok), late_rows=opt(plan.late_rows))
+        for row in plan.prefill:  # a continuing chunk reads its records: one copy a step, not one a layer
+            if row.ctx and row.tiles.size:
+                row.tiles_on_device = h(row.tiles.astype(np.int64))
         if self.device.type == "cpu" and n and bt is not None:
             md.dec_tile_list, md.dec_tile_row = _ragged_tiles(plan, bt, self.config)
         elif self.device.type == "cpu":

@@ -63,8 +63,7 @@ def history(row: PrefillRow, stage_k, stage_v, pages, cfg: KVarNConfig) -> tuple
     d = stage_k.shape[-1]
     keys, values = [stage_k[row.slot, :min(row.ctx, s)].float()], [stage_v[row.slot, :min(row.ctx, s)].float()]
     if row.tiles.size:
-        blocks = torch.from_numpy(row.tiles).long().to(pages.device)
-        rec = pages.index_select(0, blocks).transpose(0, 1).contiguous()[None]  # [1, Hk, N, record]
+        rec = pages.index_select(0, row.tiles_on_device).transpose(0, 1).contiguous()[None]  # [1, Hk, N, record]
         kt, vt = decode_tiles(record_field_views(rec, cfg, d), cfg)  # [1, Hk, N, D, G], [1, Hk, N, G, D]
         hk, nt = kt.shape[1], kt.shape[2]
         keys.append(kt[0].transpose(-1, -2).reshape(hk, nt * g, d).transpose(0, 1).float())

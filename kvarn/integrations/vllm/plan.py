@@ -42,6 +42,7 @@ class PrefillRow:
     slot: int
     tail_base: int  # after the step-start commit: the first position in the tail rows
     tiles: np.ndarray  # pages of its committed tiles (records), in order
+    tiles_on_device: object = None  # the same, on the cache's device (set by the builder, once a step)
 
 
 @dataclass
