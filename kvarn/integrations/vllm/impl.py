@@ -130,7 +130,8 @@ class KVarNAttentionImpl(AttentionImpl):
                 from ...kernels.decode_plan import merge_counters
 
                 merge_counters((self.slots + 1) * self.num_kv_heads * 40, kv_cache.device)
-            logger.info("kvarn staging: %d request slots, %.1f MiB per layer (inside the KV budget)",
+            # Per layer, so debug: the worker logs the reserve of all layers once (:mod:`.hooks`).
+            logger.debug("kvarn staging: %d request slots, %.1f MiB per layer (inside the KV budget)",
                         self.slots, self.kvarn_staging_bytes(dtype) / 2**20)
         return self.stage
 
