@@ -73,7 +73,8 @@ def test_without_the_model_every_layer_is_kvarn(smollm2, caplog):
     k = torch.randn(1, 3, S + 2 * G + 3, 64)
     cache.update(k, k.clone(), 0)
     cache.freeze()
-    assert cache.flavours()[0] == [{"decided": False, "prompt_tokens": 0, "heads": ["kvarn"] * 3}]
+    assert cache.flavours()[0] == [{"decided": False, "decided_at": None, "prompt_tokens": 0, "tokens": 0,
+                                    "queries": 0, "pending": False, "heads": ["kvarn"] * 3}]
 
 
 def test_bad_construction(smollm2):
