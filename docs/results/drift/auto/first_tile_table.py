@@ -75,7 +75,8 @@ def main(root: Path) -> None:
              "|---|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
         ok = r["kl_ok"] and r["ppl_ok"]
-        verdict = "**yes**" if ok else ("no" + ("" if r["kl_ok"] else ": KL") + ("" if r["ppl_ok"] else ": ppl"))
+        verdict = "**yes**" if ok else ("no" + ("" if r["kl_ok"] else ": KL") + (
+            ": ppl not recorded" if r["ppl_ok"] is None else "" if r["ppl_ok"] else ": ppl"))
         lines.append(
             f"| {r['cell']} | {r['prefill']} | " + " | ".join(
                 f"{f(r[k + '_kl'])} / {f(r[k + '_ppl'], '.2f')}" for k in METHODS)
