@@ -241,12 +241,14 @@ def test_a_prompt_shorter_than_the_sink_decides_at_the_first_generated_tile(smol
             return fn(q, k, v, *a, **kw)
         monkeypatch.setattr(cache_auto, name, spy)
     observe = KVarNAutoLayer.observe
-    monkeypatch.setattr(KVarNAutoLayer, "observe",
-                        lambda self, q, scaling=None: (observed.append(self.layer_idx_probe) if
-                                                       getattr(self, "layer_idx_probe", None) == 0 else None,
-                                                       observe(self, q, scaling))[1])
+
+    def counted(self, q, scaling=None):  # the forwards that ran the capture, seen by layer 0
+        if self is cache.layers[0]:
+            observed.append(q.shape[2])
+        return observe(self, q, scaling)
+
+    monkeypatch.setattr(KVarNAutoLayer, "observe", counted)
     cache = KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL)
-    cache.layers[0].layer_idx_probe = 0
     ids = tok([SHORT], return_tensors="pt")["input_ids"]
     p = ids.shape[1]
     n = S + G + 8 - p  # the tile is complete at S + G tokens, frozen at the next step

@@ -87,11 +87,7 @@ def test_the_first_tile_decision_equals_the_prefill_decision_of_the_same_tokens(
         assert torch.equal(x, late.store.fields[name]), name
     report = late.flavours()[0]
     assert report["decided_at"] == "first_tile" and report["queries"] == G and report["tokens"] == N
-    assert report["pending"] is False and report["heads"] == got_names(late)
-
-
-def got_names(layer):
-    return layer.decision.flavours.names()[0]
+    assert report["pending"] is False and report["heads"] == late.decision.flavours.names()[0]
 
 
 def test_the_decision_reads_exactly_the_first_tile_whatever_comes_with_it():

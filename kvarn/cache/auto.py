@@ -32,7 +32,7 @@ import logging
 import torch
 
 from ..auto import AutoSettings, decide_first_tile, decide_row, first_tile_tokens
-from ..decision import LayerDecision, RowDecision, fallback
+from ..decision import LayerDecision, fallback
 from ..methods import EncodedKV, TileCodec
 from ..record import FIELD_ORDER, TileFields
 from .layer import KVarNLayer
