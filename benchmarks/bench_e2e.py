@@ -22,6 +22,10 @@ Caches (``--caches``), every ratio against ``fp16_flash`` measured in the same r
   ``decode_greedy`` (on CPU: its replay simulation); a flush step starts its encodes on a side stream.
 - ``kvarn_graph_inline:PRESET``: the same with ``flush_ahead=False`` (each layer encodes inside its
   update, on the step's stream), to measure what the side stream saves.
+- ``kvarn_auto_graph:PRESET``: ``kvarn_graph`` with kvarn-auto's layers (per-head frame flags read
+  by the decode kernel). The history written straight into the cache brings no queries, so every
+  head keeps KVarN's flavour (a warning per layer says so): the step's cost does not depend on the
+  flags' values.
 
 The history is written straight into each cache (random K/V, in chunks: speed does not depend on
 values), then ``--new`` greedy tokens are generated; step time = median gap between per-step
@@ -226,9 +230,11 @@ def make_cache(model, kind: str, max_len: int):
     if name in ("kvarn_graph", "kvarn_graph_inline") and preset:
         return hf_attention.fused_cache(model, preset, max_length=max_len), \
             "graph" if name == "kvarn_graph" else "graph_inline"
+    if name == "kvarn_auto_graph" and preset:
+        return hf_attention.fused_cache(model, preset, max_length=max_len, method="kvarn-auto"), "graph"
     raise ValueError(f"unknown cache {kind!r}; valid: fp16_flash, fp16_flash_graph, fp16_dynamic, fp16_static, "
                      "fp16_static_compiled, fp16_static_graph, kvarn:PRESET, kvarn_graph:PRESET, "
-                     "kvarn_graph_inline:PRESET")
+                     "kvarn_graph_inline:PRESET, kvarn_auto_graph:PRESET")
 
 
 def fill(cache, cfg, b, t, chunk, device):

@@ -46,10 +46,19 @@ Ranges: kvarn-auto rounds its 2-bit rows over their [q, 1 - q] quantiles (:func:
 :data:`LOW_BIT_QUANTILE`), in the trial as in the stored tiles; the flavour scores above are taken
 with those ranges.
 
-Fallback: a row whose prompt has no full tile past the sink (``T < S + G``) keeps the spec's KVarN on
-every head (``decided = False``); so does a layer that never saw its prompt's queries. Rule r3 on
-a row with ``S + G <= T < S + 3G`` (too short for the self-test) keeps rule a2's flavours
-(``policy = "a2"``, ``self_test_kl = None``).
+When: a row whose prompt holds a full tile past the sink (``T >= S + G``) decides at the prefill,
+from the prompt (:func:`decide_row`). A shorter prompt, a reasoning prompt of 60-200 tokens for
+example, leaves nothing to decide from there; no tile of the row is quantized before its first tile
+past the sink is complete either, so the row decides then, whoever wrote that tile (prompt or
+generated tokens), from the sink's and the tile's ``S + G`` tokens and the queries of the tile's
+own tokens (:func:`decide_first_tile`: :func:`decide_row` on exactly those tokens, so it equals the
+prefill's decision of a prompt of ``S + G`` tokens). Still calibration-free: nothing but the
+sequence's own activations. :attr:`kvarn.decision.RowDecision.at` says which.
+
+Fallback: a row that reached its first tile without its queries having been seen (a layer whose
+forwards ran outside the capture) keeps the spec's KVarN on every head (``decided = False``). Rule
+r3 on a row with ``S + G <= T < S + 3G`` (too short for the self-test), or deciding at the first
+tile, keeps rule a2's flavours (``policy = "a2"``, ``self_test_kl = None``).
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .config import KVarNConfig
-from .decision import LayerDecision, RowDecision, fallback
+from .decision import AT_FIRST_TILE, AT_PREFILL, LayerDecision, RowDecision, fallback
 from .flavour import NAMED, OPTIONS, roundtrip_options
 
 RULES = ("a2", "a3", "n2", "r3")
@@ -184,12 +193,14 @@ def _error_sums(q, k, k_err, v_err, pos, s, scale):
 def decide_row(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, config: KVarNConfig,
     settings: AutoSettings = AutoSettings(), scaling: float | None = None, kernels: str = "auto",
+    at: str = AT_PREFILL,
 ) -> RowDecision:
     """The flavour of each KV head of one row from its prompt.
 
     query: ``[Hq, T, D]`` (after RoPE), keys, values: ``[Hk, T, D]``: the row's real prompt tokens.
     scaling: the attention's softmax scale (default ``1 / sqrt(D)``). kernels: who makes the trial
-    encode's passes (:func:`kvarn.codec.tile_passes`; the same bits).
+    encode's passes (:func:`kvarn.codec.tile_passes`; the same bits). at: recorded as
+    :attr:`kvarn.decision.RowDecision.at`.
     """
     hq, t, d = query.shape
     hk = keys.shape[0]
@@ -244,9 +255,36 @@ def decide_row(
     return RowDecision(
         True, *chosen,
         key_logit_error=key_scores.cpu(), value_output_error=value_scores.cpu(),
-        variance_energy_corr=_log_corr(variance, energy).cpu(), prompt_tokens=t,
-        candidates=candidates, policy=policy, prompt_tiles=tiles,
+        variance_energy_corr=_log_corr(variance, energy).cpu(), prompt_tokens=t, tokens=horizon,
+        queries=len(pos), at=at, candidates=candidates, policy=policy, prompt_tiles=tiles,
     )
+
+
+def first_tile_tokens(config: KVarNConfig) -> int:
+    """Tokens a row holds when its first tile past the sink is complete: ``S + G``."""
+    return config.sink_tokens + config.tile
+
+
+@torch.no_grad()
+def decide_first_tile(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, config: KVarNConfig,
+    settings: AutoSettings = AutoSettings(), scaling: float | None = None, kernels: str = "auto",
+    prompt_tokens: int = 0,
+) -> RowDecision:
+    """The decision of a row whose prompt was shorter than ``S + G``, made when its first tile past
+    the sink is complete: :func:`decide_row` on the row's first ``S + G`` tokens exactly (module
+    docstring, "When"), whatever the caller holds past them.
+
+    query: ``[Hq, >= S + G, D]``, keys, values: ``[Hk, >= S + G, D]``, from the row's first real
+    token; prompt_tokens: the row's prompt length, recorded. ValueError if fewer tokens are given.
+    """
+    n = first_tile_tokens(config)
+    if min(query.shape[1], keys.shape[1], values.shape[1]) < n:
+        raise ValueError(f"deciding at the first tile needs the first S + G = {n} tokens' queries, keys and values; "
+                         f"got {query.shape[1]} queries and {keys.shape[1]} keys")
+    row = decide_row(query[:, :n], keys[:, :n], values[:, :n], config, settings, scaling, kernels, at=AT_FIRST_TILE)
+    row.prompt_tokens = prompt_tokens
+    return row
 
 
 def decide(

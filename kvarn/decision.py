@@ -17,6 +17,12 @@ import torch
 from .flavour import NAMED, Flavours, option_index, select_options
 from .record import TileFields
 
+#: :attr:`RowDecision.at`: decided from the prompt, at the prefill.
+AT_PREFILL = "prefill"
+#: :attr:`RowDecision.at`: decided when the row's first tile past the sink completed after the
+#: prefill (a prompt shorter than ``sink_tokens + tile``), from the sink's and that tile's tokens.
+AT_FIRST_TILE = "first_tile"
+
 
 @dataclass
 class RowDecision:
@@ -26,7 +32,12 @@ class RowDecision:
 
     Rule r3: ``candidates`` maps each of :data:`kvarn.auto.POLICIES` to its four flag tensors;
     ``policy`` is the one the flags hold (``"a2"`` until the self-test picks one) and
-    ``self_test_kl`` the self-test's KL per policy (None when it did not run)."""
+    ``self_test_kl`` the self-test's KL per policy (None when it did not run).
+
+    When and from what: ``at`` is :data:`AT_PREFILL` (from the prompt, at the prefill),
+    :data:`AT_FIRST_TILE` (when the row's first tile past the sink completed later, from the
+    sink's and that tile's tokens) or None (not decided); ``tokens`` is how many of the row's
+    tokens the decision read and ``queries`` how many query positions its scores average over."""
 
     decided: bool
     key_rotate: torch.Tensor
@@ -37,6 +48,9 @@ class RowDecision:
     value_output_error: torch.Tensor | None = None
     variance_energy_corr: torch.Tensor | None = None
     prompt_tokens: int = 0
+    tokens: int = 0
+    queries: int = 0
+    at: str | None = None
     candidates: dict[str, tuple[torch.Tensor, ...]] | None = None
     policy: str | None = None
     self_test_kl: dict[str, float] | None = None
@@ -65,7 +79,8 @@ class RowDecision:
 
     def summary(self) -> dict:
         """JSON-ready: flags, and per head the rotated/unrotated key logit errors and correlation."""
-        out = {"decided": self.decided, "prompt_tokens": self.prompt_tokens}
+        out = {"decided": self.decided, "prompt_tokens": self.prompt_tokens, "decided_at": self.at,
+               "tokens": self.tokens, "queries": self.queries}
         if self.policy is not None:
             out["policy"] = self.policy
             out["self_test_kl"] = self.self_test_kl

@@ -50,19 +50,25 @@ def test_decides_from_the_prompt_and_reports(smollm2):
     assert len(names) > 1  # SmolLM2's heads do not all choose the same
 
 
-def test_left_padded_rows_decide_alone_and_short_prompts_fall_back(smollm2):
+def test_left_padded_rows_decide_alone_and_short_prompts_wait_for_their_first_tile(smollm2):
     model, tok = smollm2
     cache = KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL)
     inputs, out = _generate(model, tok, [SHORT, LONG], cache)
     real = inputs["attention_mask"].sum(1).tolist()
-    assert real[0] < S + G <= real[1]
+    assert real[0] + 6 < S + G <= real[1]
     for f in cache.flavours().values():
-        assert [r["decided"] for r in f] == [False, True]
-        assert f[0]["heads"] == ["kvarn"] * 3  # the fallback: the spec's method on every head
-        assert f[1]["prompt_tokens"] == real[1]
-    alone = KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL)
-    _generate(model, tok, [SHORT], alone)
-    assert all(f[0]["decided"] is False for f in alone.flavours().values())
+        assert [r["decided"] for r in f] == [False, True] and [r["pending"] for r in f] == [True, False]
+        assert f[0]["heads"] == ["kvarn"] * 3  # while it waits: the spec's method on every head
+        assert f[0]["prompt_tokens"] == real[0] and f[1]["prompt_tokens"] == real[1]
+        assert f[1]["decided_at"] == "prefill" and f[1]["queries"] == min(128, real[1] - S)
+    # Generating on, the short row decides when its own first tile past the sink is frozen.
+    n = S + G + 2 - real[0]
+    cache = KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL)
+    _generate(model, tok, [SHORT, LONG], cache, n=n)
+    for i, f in cache.flavours().items():
+        assert [r["decided_at"] for r in f] == ["first_tile", "prefill"]
+        assert (f[0]["tokens"], f[0]["queries"], f[0]["prompt_tokens"]) == (S + G, G, real[0])
+        assert cache.layers[i].store.counts[0] == 1
 
 
 def test_without_the_model_every_layer_is_kvarn(smollm2, caplog):
@@ -73,7 +79,8 @@ def test_without_the_model_every_layer_is_kvarn(smollm2, caplog):
     k = torch.randn(1, 3, S + 2 * G + 3, 64)
     cache.update(k, k.clone(), 0)
     cache.freeze()
-    assert cache.flavours()[0] == [{"decided": False, "prompt_tokens": 0, "heads": ["kvarn"] * 3}]
+    assert cache.flavours()[0] == [{"decided": False, "decided_at": None, "prompt_tokens": 0, "tokens": 0,
+                                    "queries": 0, "pending": False, "heads": ["kvarn"] * 3}]
 
 
 def test_bad_construction(smollm2):
@@ -214,3 +221,63 @@ def test_the_prompts_tiles_from_the_trial_are_the_encoded_tiles(smollm2, monkeyp
     encoded = stored(KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL))
     for a, b in zip(reused, encoded):
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_a_prompt_shorter_than_the_sink_decides_at_the_first_generated_tile(smollm2, monkeypatch):
+    """A 6-token prompt (S = G = 32): generated tokens complete the first tile past the sink; the
+    decision is made when the freeze stores it, from the queries of those generated tokens, which are
+    those an exact prefill of the same 64 tokens computes (so is the decision, up to rounding)."""
+    import kvarn.cache.auto as cache_auto
+
+    model, tok = smollm2
+    before = model.config._attn_implementation
+    seen = {"first_tile": [], "prefill": []}
+    observed = []
+    for name, key in (("decide_first_tile", "first_tile"), ("decide_row", "prefill")):
+        fn = getattr(cache_auto, name)
+
+        def spy(q, k, v, *a, fn=fn, key=key, **kw):
+            seen[key].append((q.clone(), k.clone(), v.clone()))
+            return fn(q, k, v, *a, **kw)
+        monkeypatch.setattr(cache_auto, name, spy)
+    observe = KVarNAutoLayer.observe
+
+    def counted(self, q, scaling=None):  # the forwards that ran the capture, seen by layer 0
+        if self is cache.layers[0]:
+            observed.append(q.shape[2])
+        return observe(self, q, scaling)
+
+    monkeypatch.setattr(KVarNAutoLayer, "observe", counted)
+    cache = KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL)
+    ids = tok([SHORT], return_tensors="pt")["input_ids"]
+    p = ids.shape[1]
+    n = S + G + 8 - p  # the tile is complete at S + G tokens, frozen at the next step
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
+                             min_new_tokens=n, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert model.config._attn_implementation == before
+    assert len(seen["first_tile"]) == 30 and not seen["prefill"]
+    flavours = cache.flavours()
+    for i, f in flavours.items():
+        assert f[0]["decided"] and f[0]["decided_at"] == "first_tile" and not f[0]["pending"]
+        assert (f[0]["tokens"], f[0]["queries"], f[0]["prompt_tokens"]) == (S + G, G, p)
+        layer = cache.layers[i]
+        assert layer.store.counts == [1] and not layer.wants_queries
+        assert torch.equal(layer.store.flavours.key_rotate.cpu(), layer.decision.flavours.key_rotate)
+    # The capture ran until the step that froze the tile, not after: decode steps are untouched again.
+    assert len(observed) == S + G + 1 - p + 1 < n
+    # The same 64 tokens as one prompt: the same queries, keys and values, the same scores.
+    exact = KVarNCache(model, "kvarn-auto", "k2v2_g128", **SMALL)
+    with torch.no_grad():
+        model(input_ids=out[:, :S + G], past_key_values=exact, use_cache=True)
+    assert len(seen["prefill"]) == 30
+    for (q, k, v), (qe, ke, ve) in zip(seen["first_tile"], seen["prefill"]):
+        assert q.shape == qe.shape and k[:, :S + G].shape == ke.shape
+        torch.testing.assert_close(q, qe, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(k[:, :S + G], ke, atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(v[:, :S + G], ve, atol=2e-4, rtol=1e-4)
+    # Rounding differences can move a trial code across a boundary: the scores agree to about 1%.
+    for i, f in exact.flavours().items():
+        got, want = cache.layers[i].decision.rows[0], exact.layers[i].decision.rows[0]
+        torch.testing.assert_close(got.key_logit_error, want.key_logit_error, rtol=3e-2, atol=1e-6)
+        torch.testing.assert_close(got.value_output_error, want.value_output_error, rtol=3e-2, atol=1e-6)

@@ -20,11 +20,17 @@ error of the chunk's stored K and V. Per token (static): the magnitude/direction
 :mod:`kvarn.analysis.errors`. Output level (accumulated): KL(fp || method) of the next-token
 distribution, top-1 agreement, perplexity.
 
-Prefill: the first pass may be longer than a chunk (``prefill`` tokens, exact, like a prompt); its
-finished tiles are quantized after it and later chunks attend to them. kvarn-auto decides its
-flavours from that first pass (the shadow's queries, keys and values, which are exact there), and
-every quantized layer reports the prompt diagnostics of :mod:`kvarn.auto` (logit error of rotated
-vs unrotated keys, correlation of log key variance with log query energy, per KV head).
+Prefill: the first pass may be longer or shorter than a chunk (``prefill`` tokens, exact, like a
+prompt); its finished tiles are quantized after it and later chunks attend to them. The chunks after
+it end on multiples of ``chunk``, so that with ``chunk`` equal to the tile every tile is still
+frozen by the pass after the one that completes it, as in decoding. kvarn-auto decides its flavours
+as the cache does (:mod:`kvarn.cache.auto`): from the first pass when it holds a full tile past the
+sink, else when the pass that completes that tile has run, from the sink's and the tile's ``S + G``
+tokens (:func:`kvarn.auto.decide_first_tile`), before the tile is frozen. It reads the shadow's
+queries, keys and values, which equal the method's own up to that point (nothing is quantized
+before that tile). Every quantized layer reports the prompt diagnostics of :mod:`kvarn.auto` (logit
+error of rotated vs unrotated keys, correlation of log key variance with log query energy, per KV
+head) of the first pass.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ import math
 
 import torch
 
-from ..auto import AutoSettings, decide
+from ..auto import AutoSettings, decide, decide_first_tile, first_tile_tokens
+from ..decision import LayerDecision
 from ..config import KVarNConfig
 from ..methods import TileCodec, get_method
 from .capture import (
@@ -51,6 +58,8 @@ class _MethodState:
         self.key, self.codec, self.layers, self.auto = key, codec, layers, auto
         self.decisions: dict[int, dict] = {}
         self.layer_decisions: dict[int, object] = {}  # kvarn-auto: layer -> LayerDecision
+        self.waiting: dict[int, torch.Tensor] = {}  # kvarn-auto: layer -> queries so far, until its first tile
+        self.first_pass = 0
         self.chunk_nll: list[float] = []
         self.static_freezer = TileFreezer(codec, layers)
         self.acc_freezer = TileFreezer(codec, layers)
@@ -87,9 +96,13 @@ class _MethodState:
 
 
 def chunk_bounds(tokens: int, chunk: int, prefill: int | None = None) -> list[tuple[int, int]]:
-    """``[(start, end)]``: a first pass of ``prefill`` tokens (default: one chunk), then chunks."""
-    first = min(prefill or chunk, tokens)
-    return [(0, first)] + [(s, min(s + chunk, tokens)) for s in range(first, tokens, chunk)]
+    """``[(start, end)]``: a first pass of ``prefill`` tokens (default: one chunk), then chunks that
+    end on multiples of ``chunk`` (the first of them shorter after a prefill that is not one)."""
+    bounds = [(0, min(prefill or chunk, tokens))]
+    while bounds[-1][1] < tokens:
+        s = bounds[-1][1]
+        bounds.append((s, min((s // chunk + 1) * chunk, tokens)))
+    return bounds
 
 
 @torch.inference_mode()
@@ -115,7 +128,8 @@ def pseudo_decode(
         which are kept in full precision unless ``quantize_sliding_window``).
     reuse_shadow_for_fp16: the fp16 method stores the exact history, so its accumulated run is the
         shadow itself; skip that forward pass (False runs it, a check of the machinery).
-    prefill: tokens of the first, exact pass (default: one chunk); kvarn-auto decides from it.
+    prefill: tokens of the first, exact pass (default: one chunk); kvarn-auto decides from it, or
+        at the first tile past the sink when it is shorter than that (module docstring).
     """
     from tqdm.auto import tqdm
 
@@ -171,6 +185,8 @@ def pseudo_decode(
                 shadow_out[layer] = out
                 if s == 0:
                     _decide_prompt(module, q, k, v, kw, run_states, probes, diagnostics)
+                else:
+                    _decide_first_tile(module, q, k, v, kw, run_states)
                 for st in run_states:
                     if layer not in st.layers or s == 0:
                         st.static_mae[layer].append(0.0)
@@ -246,7 +262,32 @@ def _decide_prompt(module, q, k, v, kw, run_states, probes, diagnostics) -> None
             diagnostics[preset][layer] = get(cfg, AutoSettings()).rows[0].summary()
     for st in run_states:
         if st.auto is not None and layer in st.layers:
-            st.set_flavours(layer, get(st.codec.config, st.auto))
+            if k.shape[2] < first_tile_tokens(st.codec.config):
+                st.waiting[layer] = q.clone()  # no full tile past the sink yet: decide at the first one
+                st.first_pass = k.shape[2]
+            else:
+                st.set_flavours(layer, get(st.codec.config, st.auto))
+
+
+def _decide_first_tile(module, q, k, v, kw, run_states) -> None:
+    """After the first pass: each kvarn-auto state's layers still waiting gather the chunk's queries
+    and decide once the history holds the first tile past the sink, before it is frozen."""
+    layer = module.layer_idx
+    scaling = kw.get("scaling", getattr(module, "scaling", None))
+    done: dict[tuple, object] = {}
+    for st in run_states:
+        if layer not in st.waiting:
+            continue
+        cfg = st.codec.config
+        st.waiting[layer] = queries = torch.cat([st.waiting[layer], q], dim=2)[:, :, :first_tile_tokens(cfg)]
+        if k.shape[2] < first_tile_tokens(cfg):
+            continue
+        key = (cfg, st.auto)
+        if key not in done:
+            done[key] = LayerDecision([decide_first_tile(queries[0], k[0], v[0], cfg, st.auto, scaling,
+                                                         prompt_tokens=st.first_pass)])
+        st.set_flavours(layer, done[key])
+        del st.waiting[layer]
 
 
 def _self_test_policy(model, prompt, shadow, fp_logits, st: _MethodState) -> None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..auto import decide
+from ..auto import decide, decide_first_tile, first_tile_tokens
+from ..decision import LayerDecision
 from ..methods import TileCodec, get_method
 from .capture import (
     TileFreezer, attention_modules, drift_attention, freeze_cache, new_cache, observe, sliding_layers,
@@ -37,7 +38,8 @@ class FreeRun:
     top1_agreement: float  # teacher-forced top-1 agreement along the fp16 trajectory
 
 
-def _freezer(model, spec: MethodSpec, sink_tokens, quantize_sliding_window, prompt_ids=None) -> TileFreezer:
+def _freezer(model, spec: MethodSpec, sink_tokens, quantize_sliding_window, prompt_ids=None,
+             continuation: list[int] | None = None) -> TileFreezer:
     cfg = method_config(spec, sink_tokens, quantize_sliding_window)
     n = len(attention_modules(model))
     layers = set(range(n)) if cfg.quantize_sliding_window else set(range(n)) - sliding_layers(model)
@@ -45,26 +47,43 @@ def _freezer(model, spec: MethodSpec, sink_tokens, quantize_sliding_window, prom
         layers = set()
     freezer = TileFreezer(TileCodec(spec.method, cfg), frozenset(layers))
     if spec.auto is not None and prompt_ids is not None:
-        _decide_on_prompt(model, prompt_ids, freezer, spec.auto)
+        _decide_on_prompt(model, prompt_ids, freezer, spec.auto, continuation)
     return freezer
 
 
-def _decide_on_prompt(model, prompt_ids: torch.Tensor, freezer: TileFreezer, settings) -> None:
+def _decide_on_prompt(model, prompt_ids: torch.Tensor, freezer: TileFreezer, settings,
+                      continuation: list[int] | None = None) -> None:
     """kvarn-auto: one exact prefill of the prompt sets the freezer's flavours for every quantized layer
-    (rule r3: then the self-test on it, :func:`kvarn.selftest.settle`)."""
+    (rule r3: then the self-test on it, :func:`kvarn.selftest.settle`).
+
+    A prompt shorter than ``S + G`` decides at its first tile past the sink instead
+    (:func:`kvarn.auto.decide_first_tile`), from the prompt and the first tokens of ``continuation``
+    (fp16's greedy tokens): the method generates exactly those up to that tile, nothing being
+    quantized before it. Without enough of them, KVarN stays on every head."""
     from ..selftest import self_test_positions, settle
 
     decisions = {}
+    p, n = prompt_ids.shape[1], first_tile_tokens(freezer.config)
+    at_tile = p < n
+    if at_tile:
+        if continuation is None or len(continuation) < n - p:
+            return
+        extra = torch.tensor([continuation[:n - p]], dtype=prompt_ids.dtype, device=prompt_ids.device)
+        prompt_ids = torch.cat([prompt_ids, extra], dim=1)
 
     def observer(module, q, k, v, mask, kw, out):
         if module.layer_idx in freezer.quantized_layers:
             scaling = kw.get("scaling", getattr(module, "scaling", None))
-            decisions[module.layer_idx] = decide(q, k, v, freezer.config, None, settings, scaling)
+            if at_tile:
+                decisions[module.layer_idx] = LayerDecision([decide_first_tile(
+                    q[0], k[0], v[0], freezer.config, settings, scaling, prompt_tokens=p)])
+            else:
+                decisions[module.layer_idx] = decide(q, k, v, freezer.config, None, settings, scaling)
 
     cache = new_cache(len(attention_modules(model)))
     with observe(model, observer):
         logits = model(input_ids=prompt_ids, past_key_values=cache, use_cache=True).logits[0]
-    if settings.rule == "r3":
+    if settings.rule == "r3" and not at_tile:
         pos = self_test_positions(freezer.config)
         settle(model, prompt_ids, [(la.keys, la.values) for la in cache.layers], decisions, freezer.codec,
                logits[pos.start:pos.stop])
@@ -144,7 +163,7 @@ def free_run(
         ref = greedy(model, prompt_ids, fp_freezer, n_tokens, bar)
         ref_logits = teacher_forced_logits(model, prompt_ids, ref, fp_freezer)
         for dk, spec in unique.items():
-            fz = _freezer(model, spec, sink_tokens, quantize_sliding_window, prompt_ids)
+            fz = _freezer(model, spec, sink_tokens, quantize_sliding_window, prompt_ids, ref)
             if fz.config.tile != tile:
                 ref_logits_m = teacher_forced_logits(model, prompt_ids, ref, _freezer(model, MethodSpec("fp16", spec.preset), sink_tokens, quantize_sliding_window))
             else:

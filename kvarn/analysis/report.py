@@ -18,7 +18,9 @@ same layer and head (static regime); ``*_top5`` average them over the worst 5% o
 error, ``*_mean`` over all tokens.
 
 ``kl_after_prefill`` / ``perplexity_after_prefill`` cover only the chunks after the exact first pass
-(``prefill`` tokens), the accumulated-regime figures. ``prompt_diagnostics[preset][layer]`` and, for
+(``prefill`` tokens), the accumulated-regime figures. ``chunk_targets`` (per pass: the tokens it
+predicts), ``fp16_chunk_nll`` and each method's ``chunk_nll`` (per pass: the summed negative
+log-likelihood) give the same over any later range of passes. ``prompt_diagnostics[preset][layer]`` and, for
 kvarn-auto, ``auto_decisions[layer]`` hold :meth:`kvarn.decision.RowDecision.summary` per quantized layer:
 per KV head the prompt's key logit error with rotated (KVarN) and unrotated (VarN) keys, the
 correlation of log key variance with log query energy over channels, and the chosen flags.
@@ -83,6 +85,7 @@ def method_entry(run: DriftRun, r: MethodDrift) -> dict:
         "static_mae": _layer_mean(r.static_mae_layers),
         "accumulated_mae": _layer_mean(r.accumulated_mae_layers),
         "kl": r.kl,
+        "chunk_nll": r.chunk_nll,
         "top1_agreement": r.top1_agreement,
         "k_magnitude_error_top5": kd["magnitude_top"],
         "k_direction_error_top5": kd["direction_top"],
@@ -124,6 +127,8 @@ def build_report(
         "fp16_perplexity": run.fp_perplexity,
         "prefill": run.prefill,
         "fp16_perplexity_after_prefill": _after_prefill(run, [0.0] * len(run.fp_chunk_nll), run.fp_chunk_nll)[1],
+        "chunk_targets": run.chunk_targets,
+        "fp16_chunk_nll": run.fp_chunk_nll,
         "prompt_diagnostics": {p: {str(k): v for k, v in d.items()} for p, d in run.prompt_diagnostics.items()},
         **(extra or {}),
         "methods": {k: method_entry(run, r) for k, r in run.methods.items()},

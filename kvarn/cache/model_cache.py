@@ -26,8 +26,10 @@ Methods (``method=``; every one uses the same tiles, sink and tail, see :mod:`kv
 - ``kvarn-auto``: kvarn's records, with rotation and normalization chosen per (row, layer, KV head)
   from the prompt (:mod:`kvarn.auto`, :mod:`kvarn.cache.auto`); it reads the prefill's queries
   (:mod:`kvarn.cache.prompt_capture`), so it needs the model itself (built from a config or None,
-  every layer is KVarN, with a warning); KVarN where a row's prompt is shorter than ``sink_tokens + tile``.
-  :meth:`KVarNCache.flavours` and ``memory_report()["flavours"]`` report the choices.
+  every layer is KVarN, with a warning); a row whose prompt is shorter than ``sink_tokens + tile``
+  decides when its first tile past the sink completes, from the queries the decode steps bring.
+  :meth:`KVarNCache.flavours` and ``memory_report()["flavours"]`` report the choices, when each was
+  made and from how many queries.
 
 Two more baselines are transformers' own quantized cache layers, not kvarn codecs: ``hf-quanto``
 and ``hf-hqq`` (:mod:`kvarn.cache.hf_baselines`); ``decoded_cache`` is ignored for them.
@@ -127,7 +129,7 @@ class KVarNCache(Cache):
             raise ValueError(f"auto= is only meaningful for method 'kvarn-auto', not {self.method.name!r}")
         if self.method.name == "kvarn-auto" and not isinstance(model_or_config, torch.nn.Module):
             logger.warning("kvarn-auto without the model (a config or None) cannot see the prefill's queries: "
-                           "every layer uses KVarN unless its observe_prompt() is called")
+                           "every layer uses KVarN unless its observe() is called")
         if self.method.name in HF_METHODS:
             if kernels != "auto":
                 raise ValueError(f"kernels={kernels!r} chooses kvarn's codec passes; method {self.method.name!r} "
@@ -236,8 +238,10 @@ class KVarNCache(Cache):
                 layer.freeze()
 
     def flavours(self) -> dict[int, list[dict] | None]:
-        """kvarn-auto: per quantized layer, per row, ``decided`` and each KV head's flavour name
-        (:meth:`kvarn.flavour.Flavours.names`); None for a layer that has not decided yet. {} otherwise."""
+        """kvarn-auto: per quantized layer, per row, ``decided``, when (``decided_at``: ``"prefill"`` or
+        ``"first_tile"``) and from how many tokens and queries, ``pending`` and each KV head's
+        flavour name (:meth:`kvarn.flavour.Flavours.names`; :meth:`kvarn.cache.auto.KVarNAutoLayer.flavours`);
+        None for a layer that has seen no query yet. {} otherwise."""
         return {i: layer.flavours() for i, layer in enumerate(self.layers) if isinstance(layer, KVarNAutoLayer)}
 
     def check_numerics(self) -> None:

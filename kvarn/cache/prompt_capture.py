@@ -1,11 +1,13 @@
-"""The prefill's queries for kvarn-auto layers: hooks that switch the model's attention function.
+"""The queries kvarn-auto layers decide from: hooks that switch the model's attention function.
 
 A transformers cache never sees queries (``update`` receives only K and V), yet kvarn-auto decides
-from them (:mod:`kvarn.cache.auto`). So, for the prefill forward only (the first forward with the
-cache), :func:`install_prompt_capture`'s pre-hook switches the model to a registered attention
-function that hands each layer's query, key and value to its
+from them (:mod:`kvarn.cache.auto`). So, for the prefill forward (the first forward with the cache)
+and for the forwards after it while some auto layer still waits for a row's first tile past the
+sink (a prompt shorter than ``sink_tokens + tile``), :func:`install_prompt_capture`'s pre-hook
+switches the model to a registered attention function that hands each layer's query to its
 :class:`~kvarn.cache.auto.KVarNAutoLayer` and then calls the model's own attention function,
-output unchanged; the forward hook switches the model back. Decode steps run untouched.
+output unchanged; the forward hook switches the model back. Once every row of every layer has
+decided, decode steps run untouched.
 
 Rule r3 (:mod:`kvarn.selftest`) also needs the model itself: the capture keeps each layer's prompt
 K/V, the prefill forward is asked for the exact logits at the self-test's positions (through
@@ -148,7 +150,7 @@ def install_prompt_capture(model: torch.nn.Module, cache) -> list:
         if state["r3"]:
             state["kv"][module.layer_idx] = (key, value)
         if isinstance(layer, KVarNAutoLayer):
-            layer.observe_prompt(query, key, value, kwargs.get("scaling", getattr(module, "scaling", None)))
+            layer.observe(query, kwargs.get("scaling", getattr(module, "scaling", None)))
 
     def restore():
         if state["previous"] is None:
@@ -166,7 +168,10 @@ def install_prompt_capture(model: torch.nn.Module, cache) -> list:
                 h.remove()
             return None
         restore()  # a previous forward that raised
-        if kwargs.get("past_key_values") is not c or c.get_seq_length() > 0:
+        if kwargs.get("past_key_values") is not c:
+            return None
+        prefill = c.get_seq_length() == 0
+        if not prefill and not any(isinstance(la, KVarNAutoLayer) and la.wants_queries for la in c.layers):
             return None
         previous = model.config._attn_implementation or "eager"
         name = _register(previous)
@@ -175,7 +180,7 @@ def install_prompt_capture(model: torch.nn.Module, cache) -> list:
             setattr(m, _INNER_ATTR, _inner_function(m, previous))
         model.set_attn_implementation(name)
         state["previous"] = previous
-        state["r3"] = any(isinstance(la, KVarNAutoLayer) and la.settings.rule == "r3" for la in c.layers)
+        state["r3"] = prefill and any(isinstance(la, KVarNAutoLayer) and la.settings.rule == "r3" for la in c.layers)
         state["kv"], state["kept"] = {}, None
         if state["r3"]:
             state["prompt"] = _prompt_of(args, kwargs)

@@ -38,7 +38,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--chunk", type=positive_int, default=None,
                    help="tokens per pseudo-decode chunk (default: the tile)")
     p.add_argument("--prefill", type=positive_int, default=None,
-                   help="tokens of the first, exact pass, like a prompt (default: one chunk); kvarn-auto decides from it")
+                   help="tokens of the first, exact pass, like a prompt (default: one chunk); kvarn-auto decides from it, "
+                        "or at the first tile past the sink when it is shorter")
     p.add_argument("--auto-rules", type=_csv, default=None,
                    help="kvarn-auto decision rules to run, comma-separated: a2, a3, n2, r3 (the self-test), "
                         "each optionally @margin (default: a2)")

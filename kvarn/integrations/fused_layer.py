@@ -8,9 +8,13 @@ does not pass the cache), and the attention function reads the packed tiles thro
 (:func:`kvarn.kernels.encode_tiles`) into the cache's tile store, in the step's update or, under
 :func:`kvarn.integrations.hf_graph.decode_greedy`, ahead of it on a side stream
 (:meth:`FusedKVarNLayer.read_done`, :func:`kvarn.integrations.freeze_schedule.start_encodes`).
-For kvarn-auto the per-(row, KV head) flavours decided at the prefill (:mod:`kvarn.auto`) are
-encoded by the same kernel (rotation applied per head before it, normalization switched per tile
-inside it) and read by the decode kernel through its ``key_rotated`` / ``value_rotated`` flags.
+For kvarn-auto the per-(row, KV head) flavours (:mod:`kvarn.auto`) are encoded by the same kernel
+(rotation applied per head before it, normalization switched per tile inside it) and read by the
+decode kernel through its ``key_rotated`` / ``value_rotated`` flags. A row whose prompt is shorter
+than the sink plus a tile decides when its first tile past the sink completes: until then the
+layer is not steady, so those steps take the host plan (eager, outside any captured graph), and
+the step that freezes the tile makes the decision on the host first (:mod:`kvarn.cache.auto`);
+the steps after it are steady and captured as any.
 """
 
 from __future__ import annotations
@@ -297,3 +301,9 @@ class FusedKVarNAutoLayer(FusedKVarNLayer, KVarNAutoLayer):
         super().__init__(codec, padding, is_sliding, max_length)
         if settings is not None:
             self.settings = settings
+
+    @property
+    def steady(self) -> bool:
+        """As :attr:`FusedKVarNLayer.steady`, and no row waits for its decision: the step that
+        freezes a waiting row's first tile decides it on the host (host plan, not captured)."""
+        return FusedKVarNLayer.steady.fget(self) and not any(self.pending)

@@ -168,3 +168,32 @@ def test_rule_needs_kvarn_auto():
         MethodSpec("kvarn", "k2v2_g64", rule="a3")
     with pytest.raises(ValueError, match="rule"):
         MethodSpec("kvarn-auto", "k2v2_g64", rule="a7")
+
+
+def test_chunks_after_a_short_prefill_end_on_tile_boundaries():
+    from kvarn.analysis.drift import chunk_bounds
+
+    assert chunk_bounds(256, 64, 40) == [(0, 40), (40, 64), (64, 128), (128, 192), (192, 256)]
+    assert chunk_bounds(256, 64, 192) == [(0, 192), (192, 256)]
+    assert chunk_bounds(250, 64) == [(0, 64), (64, 128), (128, 192), (192, 250)]
+
+
+def test_kvarn_auto_decides_at_the_first_tile_after_a_prefill_shorter_than_the_sink(tiny_llama, tiny_ids):
+    """A 40-token first pass (S = G = 64) holds no tile past the sink: kvarn-auto decides when the pass
+    that completes tokens 64-127 has run, from those 128 tokens, before the tile is frozen; so from
+    there on the run is the one that decided from a 128-token prefill of the same tokens."""
+    specs = [MethodSpec("kvarn-auto", "k2v2_g64")]
+    late = pseudo_decode(tiny_llama, tiny_ids, specs, prefill=40, progress=False)
+    assert late.positions == [40, 64, 128, 192, 256]
+    ref = pseudo_decode(tiny_llama, tiny_ids, specs, prefill=128, progress=False)
+    got, want = late.methods["kvarn-auto:k2v2_g64"], ref.methods["kvarn-auto:k2v2_g64"]
+    assert sorted(got.decisions) == [0, 1, 2]
+    for i, d in got.decisions.items():
+        assert d["decided"] and d["decided_at"] == "first_tile" and want.decisions[i]["decided_at"] == "prefill"
+        assert (d["tokens"], d["queries"], d["prompt_tokens"]) == (128, 64, 40)
+        for name in ("key_rotate", "key_normalize", "value_rotate", "value_normalize"):
+            assert d[name] == want.decisions[i][name], (i, name)
+        # the queries come from three passes here and one there: equal up to float rounding
+        assert sum(d["key_logit_error"], []) == pytest.approx(sum(want.decisions[i]["key_logit_error"], []), rel=1e-4)
+    assert got.kl[:3] == [0.0, 0.0, 0.0]  # nothing quantized before the first tile is frozen
+    assert got.kl[3:] == pytest.approx(want.kl[1:], rel=1e-3) and got.kl[3] > 0

@@ -194,6 +194,48 @@ def test_a_prompt_shorter_than_the_sink_leaves_the_tail_room_for_a_tile(fused_mo
         assert layer.tail_k.shape[2] >= layer.tile and layer.tail_v.shape[2] >= layer.tile
 
 
+def test_kvarn_auto_decides_at_the_first_tile_outside_the_graphs_then_replays(fused_model, kdevice, monkeypatch):
+    """kvarn-auto after a 90-token prompt (S = G = 64: no tile past the sink yet): no step is
+    captured while the row waits for its decision; the step that freezes the first tile past the
+    sink decides on the host plan, and the steps after it are captured and replayed. The same
+    tokens, flavours and tiles as generate on the same fused cache. (A prompt shorter than the sink
+    and the flush of a later tile in a replay: test_hf_graph_gpu.py; on CPU they take minutes.)"""
+    from kvarn.cache.auto import KVarNAutoLayer
+
+    model = fused_model
+    prompt, new = 90, 50  # the first tile past the sink is complete at 128 tokens
+    ids = torch.randint(0, 97, (1, prompt), device=kdevice)
+
+    def auto_cache():
+        return _fused(model, method="kvarn-auto", max_length=prompt + new)
+
+    captured = []
+    capture = hf_graph._Graphs._capture
+
+    def spy(self, kind):
+        captured.append((kind, self.fused[0].length, any(any(la.pending) for la in self.fused)))
+        return capture(self, kind)
+
+    monkeypatch.setattr(hf_graph._Graphs, "_capture", spy)
+    cache = auto_cache()
+    tokens = hf_graph.decode_greedy(model, cache, ids, new, capture="simulate")
+    assert [kind for kind, _, _ in captured] == ["plain"]
+    assert not captured[0][2] and captured[0][1] > 128  # captured after the decision, not before
+    for layer in cache.layers:
+        assert isinstance(layer, KVarNAutoLayer) and layer.store.counts == [1] and not layer.wants_queries
+    for rows in cache.flavours().values():
+        assert rows[0]["decided_at"] == "first_tile" and (rows[0]["tokens"], rows[0]["queries"]) == (128, 64)
+    gen = auto_cache()
+    ref = model.generate(ids, past_key_values=gen, max_new_tokens=new, do_sample=False,
+                         attention_mask=torch.ones_like(ids), pad_token_id=0)
+    assert torch.equal(tokens, ref[:, prompt:])
+    for a, b in zip(cache.layers, gen.layers):
+        assert torch.equal(a.store.flavours.key_rotate, b.store.flavours.key_rotate)
+        assert torch.equal(a.store.flavours.value_normalize, b.store.flavours.value_normalize)
+        for name, x in a.store.fields.items():
+            assert torch.equal(x, b.store.fields[name]), name
+
+
 def test_a_crop_discards_a_tile_encoded_ahead(fused_model, kdevice):
     """decode_greedy can stop right after the step that completes a tile (its encode already
     written, not yet counted). A crop that removes that tile's last token must not let a later

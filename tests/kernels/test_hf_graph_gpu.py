@@ -162,6 +162,32 @@ def test_captured_decode_after_a_prompt_shorter_than_the_sink(model):
     assert_same_tokens_and_tiles(*out["cuda"], caches["cuda"], *out["none"], caches["none"], prompt=prompt)
 
 
+def test_captured_kvarn_auto_decode_after_a_prompt_shorter_than_the_sink(model):
+    """kvarn-auto after a 30-token prompt: every row decides when its first tile past the sink is
+    frozen, in an eager host-plan step; the steps after it are captured and replayed (two more
+    tiles freeze in replays, with the decided flavours): the tokens and tiles of eager decoding."""
+    from kvarn.integrations import hf_attention
+
+    prompt = 30
+    ids = torch.randint(0, 1000, (2, prompt), device="cuda")
+    hf_attention.use_fused(model)
+    try:
+        out, caches = {}, {}
+        for mode in ("none", "cuda"):
+            cache = caches[mode] = hf_attention.fused_cache(model, "k2v2_g128", method="kvarn-auto",
+                                                            max_length=prompt + NEW)
+            out[mode] = decode_with_logits(model, cache, ids, mode)
+            assert cache.layers[0].store.counts == [(prompt + NEW - 1 - 128) // 128] * 2
+            for rows in cache.flavours().values():
+                assert all(r["decided_at"] == "first_tile" and r["queries"] == 128 for r in rows)
+    finally:
+        model.set_attn_implementation("sdpa")
+    for a, b in zip(caches["cuda"].layers, caches["none"].layers):
+        assert torch.equal(a.store.flavours.key_rotate, b.store.flavours.key_rotate)
+        assert torch.equal(a.store.flavours.value_normalize, b.store.flavours.value_normalize)
+    assert_same_tokens_and_tiles(*out["cuda"], caches["cuda"], *out["none"], caches["none"], prompt=prompt)
+
+
 def test_captured_static_cache_decode_matches_eager(model):
     ids = torch.randint(0, 1000, (2, PROMPT), device="cuda")
     model.set_attn_implementation("sdpa")
