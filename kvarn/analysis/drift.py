@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from ..auto import AutoSettings, decide
+from ..auto.rules import AutoSettings, decide
 from ..config import KVarNConfig
 from ..methods import TileCodec, get_method
 from .capture import (
@@ -250,8 +250,8 @@ def _decide_prompt(module, q, k, v, kw, run_states, probes, diagnostics) -> None
 
 
 def _self_test_policy(model, prompt, shadow, fp_logits, st: _MethodState) -> None:
-    """kvarn-auto rule r3: the self-test (:mod:`kvarn.selftest`) on the first pass picks the policy."""
-    from ..selftest import self_test_positions, settle
+    """kvarn-auto rule r3: the self-test (:mod:`kvarn.auto.self_test_rule`) on the first pass picks the policy."""
+    from ..auto.self_test_rule import self_test_positions, settle
 
     kv = [(la.keys, la.values) for la in shadow.layers]
     pos = self_test_positions(st.codec.config)

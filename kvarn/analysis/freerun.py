@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..auto import decide
+from ..auto.rules import decide
 from ..methods import TileCodec, get_method
 from .capture import (
     TileFreezer, attention_modules, drift_attention, freeze_cache, new_cache, observe, sliding_layers,
@@ -51,8 +51,8 @@ def _freezer(model, spec: MethodSpec, sink_tokens, quantize_sliding_window, prom
 
 def _decide_on_prompt(model, prompt_ids: torch.Tensor, freezer: TileFreezer, settings) -> None:
     """kvarn-auto: one exact prefill of the prompt sets the freezer's flavours for every quantized layer
-    (rule r3: then the self-test on it, :func:`kvarn.selftest.settle`)."""
-    from ..selftest import self_test_positions, settle
+    (rule r3: then the self-test on it, :func:`kvarn.auto.self_test_rule.settle`)."""
+    from ..auto.self_test_rule import self_test_positions, settle
 
     decisions = {}
 

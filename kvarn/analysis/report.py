@@ -19,7 +19,7 @@ error, ``*_mean`` over all tokens.
 
 ``kl_after_prefill`` / ``perplexity_after_prefill`` cover only the chunks after the exact first pass
 (``prefill`` tokens), the accumulated-regime figures. ``prompt_diagnostics[preset][layer]`` and, for
-kvarn-auto, ``auto_decisions[layer]`` hold :meth:`kvarn.decision.RowDecision.summary` per quantized layer:
+kvarn-auto, ``auto_decisions[layer]`` hold :meth:`kvarn.auto.decision.RowDecision.summary` per quantized layer:
 per KV head the prompt's key logit error with rotated (KVarN) and unrotated (VarN) keys, the
 correlation of log key variance with log query energy over channels, and the chosen flags.
 """

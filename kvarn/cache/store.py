@@ -8,7 +8,7 @@ O(1) while reserved slots stay within 10% of the used ones. Unused slots are zer
 
 Fields per (row, KV head, tile), by method format (see :mod:`kvarn.methods`):
 
-- integer methods (kvarn, kivi, rtn, quarot, hkivi, varn): the :class:`kvarn.record.TileFields`
+- integer methods (kvarn, kivi, rtn, quarot, hkivi, varn): the :class:`kvarn.codec.record.TileFields`
   ``k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_col_scale, v_row_scale, v_row_zero``
   (K tile ``[D, G]`` for per-channel keys, ``[G, D]`` for per-token keys);
 - ``fp8``: ``k_fp8 [G, D]`` float8_e4m3fn, ``k_scale [G]`` fp16, and the same for V;
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ..flavour import Flavours
+from ..codec.flavour import Flavours
+from ..codec.record import FIELD_ORDER, TileFields
 from ..methods import RECORD_METHODS, EncodedKV, TileCodec
-from ..record import FIELD_ORDER, TileFields
 
 def grown_capacity(capacity: int, need: int, limit: int | None = None) -> int:
     """Capacity for ``need`` slots: ``need``, or 10% more than ``capacity`` when that is larger
@@ -201,7 +201,7 @@ class TileStore:
     def reserve(self, layout: list[tuple[str, tuple[int, ...], torch.dtype]], capacity: int) -> None:
         """Allocate every field for ``capacity`` slots per row before the first tile is written.
 
-        layout: ``(field, per-tile shape, dtype)`` as :func:`kvarn.record.record_layout` gives them.
+        layout: ``(field, per-tile shape, dtype)`` as :func:`kvarn.codec.record.record_layout` gives them.
         The fields then never move while the count stays within ``capacity`` (a captured CUDA
         graph keeps their addresses).
         """

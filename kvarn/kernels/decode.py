@@ -53,8 +53,8 @@ import triton
 import triton.language as tl
 
 from ..attention import check_decode_inputs, head_flags
+from ..codec.record import FIELD_ORDER, TileFields
 from ..config import KVarNConfig
-from ..record import FIELD_ORDER, TileFields
 from .decode_blocks import fp_block, fp_result, hilo, merge_range, store_output, store_partial, tile_load, tile_step
 from .decode_plan import BLOCK_N, MERGE_GROUP, launch_plan, merge_counters, plan_splits
 from .hadamard import hadamard_rows

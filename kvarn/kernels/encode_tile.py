@@ -238,7 +238,7 @@ def encode_one(
         packed = _pack(q, BITS, P)
     pcols = tl.arange(0, CB)
     prows = tl.arange(0, R)  # the packed codes' own index (their layout differs from the scales')
-    # Stored transposed, [C / P, R] (the code byte order of kvarn.record).
+    # Stored transposed, [C / P, R] (the code byte order of kvarn.codec.record).
     tl.store(codes_ptr + codes_off + pcols[None, :] * R + prows[:, None], packed.to(tl.uint8))
     rs = (row_scale * step).to(tl.float16)
     rz = (row_scale * lo).to(tl.float16)

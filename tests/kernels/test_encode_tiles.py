@@ -11,11 +11,11 @@ K tiles at D 64, each 1 fp32 ulp of the score above the best).
 import pytest
 import torch
 
-from kvarn.codec import _encode_one, encode_tiles as torch_encode
+from kvarn.codec import encode_tile_fields, encode_tiles as torch_encode
 from kvarn.config import KVarNConfig
-from kvarn.normalize import _apply, normalize_iterates
-from kvarn.pack import unpack_codes
-from kvarn.record import FIELD_ORDER, TileFields, fields_to_records
+from kvarn.codec.normalize import apply_scales, normalize_iterates
+from kvarn.codec.pack import unpack_codes
+from kvarn.codec.record import FIELD_ORDER, TileFields, fields_to_records
 
 from kernel_data import rotated_tiles, synthetic_kv
 from kernel_data import HAS_CUDA
@@ -57,8 +57,8 @@ def tie_adjusted(out, ref, k_tiles, v_tiles, config):
         gap = (score.gather(1, pick[:, None])[:, 0] - score.amin(-1)) / score.amin(-1)
         assert (gap <= SCORE_TIE).all(), f"{side}: the kernel kept an iterate {gap.max():.2e} worse than the best"
         ca, cb = at(a), at(b)
-        y = _apply(xs, ca, cb)
-        codes, scale, zero, colf = _encode_one(xs, bits, config.sinkhorn_iters, quantile,
+        y = apply_scales(xs, ca, cb)
+        codes, scale, zero, colf = encode_tile_fields(xs, bits, config.sinkhorn_iters, quantile,
                                                normalized=(y, torch.exp(ca), torch.exp(cb)))
         for name, val in ((f"{side}_codes", codes), (f"{side}_row_scale", scale), (f"{side}_row_zero", zero),
                           (col, colf)):
@@ -320,7 +320,7 @@ def test_encode_launch_options_keep_the_tolerance(opts):
     batches) in the flush's form (fp16 model-frame tiles rotated by the kernel); and the capped grid
     of the encodes beside the decode step (the cache's own cap, a quarter of the SMs for K and for V)."""
     if opts.get("programs") == "beside":
-        from kvarn.integrations.freeze_schedule import beside_programs
+        from kvarn.integrations.transformers.freeze_schedule import beside_programs
 
         opts = dict(programs=beside_programs(torch.device("cuda")))
     cfg = KVarNConfig.from_name("k4v2_g128")
@@ -335,14 +335,14 @@ def test_encode_launch_options_keep_the_tolerance(opts):
 
 def test_encode_per_tile_normalization_matches_the_flavour_codec(kdevice):
     """kvarn-auto: normalization off for some tiles' K or V, the torch twin with T = 0 there."""
-    from kvarn.flavour import Flavours, encode_flavoured
+    from kvarn.codec.flavour import Flavours, encode_flavoured
 
     cfg = KVarNConfig(key_bits=2, value_bits=2, tile=64, sinkhorn_iters=4)
     k, v = synthetic_kv(1, 4, 128, 64, kdevice, seed=5)  # [1, 4, 128, 64]: two tiles per head
     fl = Flavours(torch.tensor([[True, False, True, False]]), torch.tensor([[True, True, False, False]]),
                   torch.tensor([[False, True, True, False]]), torch.tensor([[False, True, False, True]]))
     fl = fl.map(lambda x: x.to(kdevice))
-    from kvarn.integrations.hf_attention import TritonTileCodec
+    from kvarn.integrations.transformers.attention import TritonTileCodec
 
     codec = TritonTileCodec("kvarn-auto", cfg)
     assert codec.config.quantiles == (0.03, 0.03)  # kvarn-auto's 2-bit ranges, through the flags' path too
