@@ -182,7 +182,7 @@ def encode_one(
     lrs = _lg2_std_rows(x, id_c, C, ASM)
     # The log-scales are kept in log2 units (a2 = a log2(e)), their deviations as log2 std. Zeros
     # made from the deviations take their layout, so that this function also runs where layouts are
-    # explicit (a Gluon caller: benchmarks/study_encode_partitions.py); the same constants here.
+    # explicit (a Gluon caller); the same constants here.
     a2 = tl.where(lcs != lcs, 0.0, 0.0)
     b2 = tl.where(lrs != lrs, 0.0, 0.0)
     best = _score(lcs, lrs, ASM)

@@ -13,7 +13,7 @@ match compile to the same code (how a refactor of the kernel's modules is checke
 The device runs triton 3.6 (``pip install --target DIR triton==3.6.0`` and put DIR first on
 ``PYTHONPATH``). Prints a table, writes JSON.
 
-    PYTHONPATH=<triton 3.6 dir>:. python benchmarks/sass_decode.py --out benchmarks/results/sass_decode.json
+    PYTHONPATH=<triton 3.6 dir>:. python benchmarks/tools/sass_decode.py --out benchmarks/results/sass_decode.json
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     ncu --clock-control none --kernel-name regex:_decode_attention_kernel --launch-skip 3 --launch-count 1 \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \\
         --section WarpStateStats --section Occupancy --section LaunchStats \\
-        python benchmarks/profile_decode.py --batch 32 --context 16384 --preset k4v2_g128
+        python benchmarks/tools/profile_decode.py --batch 32 --context 16384 --preset k4v2_g128
 
 The tiles are random (speed does not depend on the values), shaped like Llama-3.1-8B by default.
 """
@@ -11,13 +11,16 @@ The tiles are random (speed does not depend on the values), shaped like Llama-3.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 from kvarn import kernels
 from kvarn.config import KVarNConfig
 
-from bench_decode_attention import SHAPES, random_fields, split_context
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+from bench_decode_attention import SHAPES, random_fields, split_context  # noqa: E402
 
 
 def main():

@@ -11,7 +11,7 @@ BENCHMARKS.md table 2 quotes these. The device runs triton 3.6 (``pip install --
 triton==3.6.0`` and put DIR first on ``PYTHONPATH`` to count what it compiles; another triton
 counts its own code). Prints a table, writes JSON.
 
-    PYTHONPATH=. python benchmarks/sass_encoder.py --out benchmarks/results/sass_encoder.json
+    PYTHONPATH=. python benchmarks/tools/sass_encoder.py --out benchmarks/results/sass_encoder.json
 """
 
 from __future__ import annotations

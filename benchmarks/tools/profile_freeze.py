@@ -1,4 +1,4 @@
-"""Profile: which kernels the freeze steps stretch, against a plain step (issue 12).
+"""Profile: which kernels the freeze steps stretch, against a plain step.
 
 On the ``bench_e2e`` model (random-weight Llama-3.1-8B shape, fp16, ``kvarn_graph`` cache), greedy
 decoding with ``decode_greedy`` under torch's profiler (CUPTI reports the kernels of each replayed
@@ -21,7 +21,7 @@ longer gap), the kernels only the freeze step has, and the idle time between one
 kernel and the next one's first (what a step-to-step clock like ``bench_e2e``'s sees beyond the
 span).
 
-    PYTHONPATH=. python benchmarks/profile_freeze.py --context 8192 --out benchmarks/results/profile_freeze_h200.json
+    PYTHONPATH=. python benchmarks/tools/profile_freeze.py --context 8192 --out benchmarks/results/profile_freeze_h200.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # freeze_trace beside it, bench_e2e in benchmarks/
 
 from freeze_trace import comparisons, replays, summarize  # noqa: E402
 
@@ -54,7 +55,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("profile_freeze needs a CUDA device: it profiles replayed CUDA graphs")
     import bench_e2e as be
-    from kvarn.integrations import freeze_schedule, hf_attention, hf_graph
+    from kvarn.integrations.transformers import freeze_schedule, attention as hf_attention, graph as hf_graph
 
     if a.no_lead_in:
         freeze_schedule.lead_in = lambda device: None

@@ -9,21 +9,23 @@ launches come in this order, ``--launches`` of each: q and o, k and v, gate and 
 (cuBLAS GEMMs, some with a split-K reduction after them), then the encode.
 
     ncu --kernel-name regex:'nvjet|gemm|splitK|_encode_tiles' --section LaunchStats --section Occupancy \\
-        python benchmarks/profile_freeze_launches.py --batch 16
+        python benchmarks/tools/profile_freeze_launches.py --batch 16
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
 from kvarn import kernels
 from kvarn.config import KVarNConfig
-from kvarn.integrations.freeze_schedule import beside_programs
+from kvarn.integrations.transformers.freeze_schedule import beside_programs
 
-from bench_e2e import SHAPES
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+from bench_e2e import SHAPES  # noqa: E402
 
 
 def main():
