@@ -4,9 +4,11 @@ read, and on how much of the GPU (:func:`kvarn.integrations.transformers.graph.d
 The freeze of a batch-16 step (a program for every SM in each layer's encode) would cost that step
 16% in one piece, so it is shared by the ``fill`` step (whose token completes the tiles) and the
 ``flush`` step (which freezes them), on a side CUDA stream. Each figure here is measured on the H200
-(BENCHMARKS.md: the freeze step), except lead_in's and fork_group's (an H100);
-``benchmarks/study_freeze_schedule.py`` replaces these functions to try others, which no user code
-should do.
+(BENCHMARKS.md: the freeze step), except lead_in's (an H100).
+
+Each layer's encode is its own fork of the side stream and its own wait: forking several layers'
+encodes together costs the batch-16 freeze steps more (on an H100: +3.1-5.5% against +1.7-3.0%),
+though the forks and waits alone cost less.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The side CUDA stream the encodes run on, beside the step's own: a plain stream (its
     launches may use any SM; :func:`beside_programs` caps how many they take). A green context's
     stream of 64 SMs, with two 4-warp encode programs sharing each, takes a third less SM-time a
-    layer and costs the B 16 freeze steps the same; fewer SMs cost more (session 32, an H100)."""
+    layer and costs the B 16 freeze steps the same; fewer SMs cost more (an H100)."""
     return torch.cuda.Stream(device)
 
 
@@ -39,10 +41,10 @@ def lead_in(device: torch.device) -> None:
     A fork at a layer's read makes the encodes and the step's next kernel (the output projection,
     a GEMM of one block an SM) ready at the same moment, the read's end. Started first, the encodes
     take SMs that GEMM then waits for; one empty launch ahead of them lets the GEMM place its blocks
-    first (profiled, session 33, an H100 at 8K x 16: the step's GEMMs stretch 146-159 µs in a
-    freeze step with it, 249-262 µs without).
+    first (profiled on an H100 at 8K x 16: the step's GEMMs stretch 146-159 µs in a freeze step
+    with it, 249-262 µs without).
 
-    Measured (BENCHMARKS.md: the freeze step; session 31, an H100, k4v2 and k2v2): the B 16 freeze
+    Measured (BENCHMARKS.md: the freeze step; an H100, k4v2 and k2v2): the B 16 freeze
     steps +1.5-2.1% at 8K and +1.0-1.6% at 32K against +2.4-2.8% and +1.6-2.3% without it, at B 1
     +0.3-0.8% against +0.6-1.8%. A wait of 3-6 µs in its place reads the same, 12-24 µs costs more,
     48 µs gives all of the gain back, and a launch after the encodes gains nothing."""
@@ -50,15 +52,6 @@ def lead_in(device: torch.device) -> None:
 
     with torch.cuda.device(device):
         launch_empty()
-
-
-def fork_group(layers: list) -> int:
-    """How many layers' encodes one attention read starts with one fork of the side stream
-    (FusedKVarNLayer.read_done), and, in the flush step, one wait of the step's stream covers: 1,
-    each layer's encode its own fork and wait. Groups of 2, 4 and 8 cost the B 16 freeze steps
-    more (session 31, an H100, before lead_in: +3.1-5.5% against +1.7-3.0%), though their forks
-    and waits alone cost less (BENCHMARKS.md). At most the early layers."""
-    return 1
 
 
 def encodes_fill_the_gpu(layers: list) -> bool:
@@ -85,20 +78,16 @@ def early_layers(layers: list) -> int:
     return max(1, (5 * n + 4) // 8)
 
 
-def starts(n: int, early: int, group: int) -> list[tuple[int, range]]:
-    """Which layer's read starts which layers' encodes: ``(starter, members)`` per fork group of
-    ``group`` layers, for ``n`` layers of which the first ``early`` start in the fill step.
+def starts(n: int, early: int) -> list[tuple[int, int]]:
+    """Which layer's read starts which layer's encode: ``(starter, layer)`` for each of ``n`` layers,
+    of which the first ``early`` start in the fill step.
 
-    An early group starts at the read of its last member, in the fill step (joined at that step's
-    end); a later group at the read of the layer ``early`` before its last member, in the flush
-    step, and the group's first update waits for all of it. With groups of 1, layer early + i's
-    encode starts after layer i's read. A larger group forks and waits less and starts later
-    (early - group + 1 layers before its wait)."""
-    if not (0 == early == n or 1 <= group <= early <= n):  # a later group's start needs an early read
-        raise ValueError(f"need 1 <= group <= early <= n (or no layers), got n={n}, early={early}, group={group}")
-    spans = [(lo, min(lo + group, early), 0) for lo in range(0, early, group)]
-    spans += [(lo, min(lo + group, n), early) for lo in range(early, n, group)]
-    return [(hi - 1 - shift, range(lo, hi)) for lo, hi, shift in spans]
+    An early layer's encode starts at its own read, in the fill step (joined at that step's end); a
+    later layer's, in the flush step, at the read of the layer ``early`` before it: layer early + i's
+    encode starts after layer i's read, and the layer's update waits for it."""
+    if not (0 == early == n or 1 <= early <= n):  # a later layer's start needs an early read
+        raise ValueError(f"need 1 <= early <= n (or no layers), got n={n}, early={early}")
+    return [(i, i) for i in range(early)] + [(i - early, i) for i in range(early, n)]
 
 
 class Started:

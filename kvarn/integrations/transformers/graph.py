@@ -239,18 +239,16 @@ def decode_greedy(model, cache, input_ids: torch.Tensor, max_new_tokens: int, *,
 
     graphs = _Graphs(cache, step, capture, warmup, ahead=bool(ahead))
     # The freeze is shared by the fill and the flush step (module docstring, freeze_schedule).
-    # No fused layers (or flush_ahead off): none early. A flush-step group starts before its first
-    # update, so a group has at most the early layers.
+    # No fused layers (or flush_ahead off): none early.
     early = min(freeze_schedule.early_layers(ahead), len(ahead))
-    group = max(1, min(freeze_schedule.fork_group(ahead), early))
     programs = freeze_schedule.beside_programs(dev)  # read only by encodes on the side stream
     for i, layer in enumerate(ahead):
         layer.ahead_stream = flush_stream
         layer.ahead_in_fill = i < early
         layer.ahead_starts = ()
         layer.ahead_programs = programs
-    for starter, members in freeze_schedule.starts(len(ahead), early, group):
-        ahead[starter].ahead_starts += tuple(ahead[j] for j in members)
+    for starter, j in freeze_schedule.starts(len(ahead), early):
+        ahead[starter].ahead_starts += (ahead[j],)
     try:
         for i in range(1, max_new_tokens):
             graphs.run()

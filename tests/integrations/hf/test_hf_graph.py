@@ -81,19 +81,17 @@ def test_decode_loop_matches_generate_and_reference(fused_model, kdevice):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("fills, group", [(False, 1), (True, 1), (False, 2), (True, 3)])
-def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkeypatch, fills, group):
+@pytest.mark.parametrize("fills", [False, True])
+def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkeypatch, fills):
     """decode_greedy spreads a freeze over two steps: of 6 layers, the first e start their encodes
     in the step that writes the tile's last token (right after a layer's attention read), while
     the tile is still unfrozen, and the others in the next step, before their own updates;
     generate encodes in the next update. e = 4 (5/8), or 3 (half) where one layer's encode fills
-    the GPU (``fills``). With a fork group g (``freeze_schedule.fork_group``), g layers start together: the early
-    ones at the read of the group's last, the later ones at the read of the layer e before their
-    group's last. The stored tiles are generate's, whatever the grouping."""
+    the GPU (``fills``): an early layer at its own read, a later one at the read of the layer e before
+    it. The stored tiles are generate's."""
     model = _tiny_llama(kdevice, torch.float16 if HAS_CUDA else torch.float32, layers=6)
     hf_attention.use_fused(model)
     monkeypatch.setattr(freeze_schedule, "encodes_fill_the_gpu", lambda layers: fills)
-    monkeypatch.setattr(freeze_schedule, "fork_group", lambda layers: group)
     ids = torch.randint(0, 97, (1, PROMPT), device=kdevice)
     calls, step = [], [0]
     encode_due = fused_layer.FusedKVarNLayer.encode_due
@@ -119,11 +117,7 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
     s = calls[0][2]
     assert n == 6 and freeze_schedule.early_layers(cache.layers) == e
     # (step, the layer whose read started the encode, the encoded layer)
-    expect = {
-        1: [(s, i, i) for i in range(e)] + [(s + 1, i - e, i) for i in range(e, n)],  # its own read, or i - e's
-        2: [(s, 1, 0), (s, 1, 1), (s, 3, 2), (s, 3, 3), (s + 1, 1, 4), (s + 1, 1, 5)],  # e = 4: groups 01 23 | 45
-        3: [(s, 2, 0), (s, 2, 1), (s, 2, 2), (s + 1, 2, 3), (s + 1, 2, 4), (s + 1, 2, 5)],  # e = 3: 012 | 345
-    }[group]
+    expect = [(s, i, i) for i in range(e)] + [(s + 1, i - e, i) for i in range(e, n)]  # its own read, or i - e's
     assert calls == [("start_encodes", "read_done", *x, g, 0) for x in expect]
     assert cache.layers[0].store.counts == [1] and cache.layers[0]._ahead is None
     calls.clear()
@@ -138,26 +132,19 @@ def test_decode_loop_encodes_in_the_step_that_completes_the_tile(kdevice, monkey
 
 @given(n=st.integers(1, 64), data=st.data())
 @settings(max_examples=200, deadline=None)
-def test_fork_groups_start_every_layer_once_before_its_update(n, data):
-    """freeze_schedule.starts: every layer's encode is started exactly once, by one group; an early
-    group by its own last member's read (the fill step), a later group by a read ``early`` layers
-    before its last member, which comes before the group's first update (the flush step)."""
+def test_every_layer_starts_once_before_its_update(n, data):
+    """freeze_schedule.starts: every layer's encode is started exactly once; an early layer's by its
+    own read (the fill step), a later layer's by the read ``early`` layers before it, which comes
+    before the layer's own update (the flush step)."""
     early = data.draw(st.integers(1, n))
-    group = data.draw(st.integers(1, early))
-    plan = freeze_schedule.starts(n, early, group)
-    members = [j for _, m in plan for j in m]
-    assert sorted(members) == list(range(n))
-    for starter, m in plan:
-        assert 1 <= len(m) <= group and list(m) == list(range(m[0], m[-1] + 1))
-        assert (m[-1] < early) == (m[0] < early)  # a group does not straddle the two steps
-        if m[-1] < early:
-            assert starter == m[-1]
-        else:
-            assert starter == m[-1] - early and starter < m[0]
-    with pytest.raises(ValueError, match="group=.*"):
-        freeze_schedule.starts(n, early, early + 1)
-    with pytest.raises(ValueError, match="early=0"):  # no read would start the later groups in time
-        freeze_schedule.starts(n, 0, 1)
+    plan = freeze_schedule.starts(n, early)
+    assert sorted(j for _, j in plan) == list(range(n))
+    for starter, j in plan:
+        assert starter == (j if j < early else j - early)
+    with pytest.raises(ValueError, match="early=0"):  # no read would start the later layers in time
+        freeze_schedule.starts(n, 0)
+    with pytest.raises(ValueError, match=f"early={n + 1}"):
+        freeze_schedule.starts(n, n + 1)
 
 
 def test_steady_steps_keep_the_tail_buffers(fused_model, kdevice):
