@@ -93,6 +93,8 @@ class EncodedKV:
     shape: tuple[int, int, int, int]
     nbytes: int
     tiles: TileFields | None = None      # integer methods
+    keys: torch.Tensor | None = None     # fp16 (no quantization): [B, H, T, D], the input's dtype
+    values: torch.Tensor | None = None
     k_fp8: torch.Tensor | None = None    # fp8: [B, H, T, D] float8_e4m3fn
     k_scale: torch.Tensor | None = None  # fp8: [B, H, T] fp16
     v_fp8: torch.Tensor | None = None
@@ -156,7 +158,7 @@ class TileCodec:
             tiles = encode_flavoured(keys, values, flavours, c, tile_passes(self.kernels, keys.device))
             return EncodedKV(m, tuple(keys.shape), nbytes, tiles=tiles, flavours=flavours)
         if m.fmt == "none":
-            return EncodedKV(m, tuple(keys.shape), nbytes, k_fp8=keys.clone(), v_fp8=values.clone())
+            return EncodedKV(m, tuple(keys.shape), nbytes, keys=keys.clone(), values=values.clone())
         if m.fmt == "fp8":
             kq, ks = _fp8_encode(keys)
             vq, vs = _fp8_encode(values)
@@ -180,7 +182,7 @@ class TileCodec:
         m, c = enc.method, self.config
         b, h, t, d = enc.shape
         if m.fmt == "none":
-            return enc.k_fp8.to(torch.float32), enc.v_fp8.to(torch.float32)
+            return enc.keys.to(torch.float32), enc.values.to(torch.float32)
         if m.fmt == "fp8":
             return _fp8_decode(enc.k_fp8, enc.k_scale), _fp8_decode(enc.v_fp8, enc.v_scale)
         if enc.flavours is not None:

@@ -12,8 +12,7 @@ Fields per (row, KV head, tile), by method format (see :mod:`kvarn.methods`):
   ``k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_col_scale, v_row_scale, v_row_zero``
   (K tile ``[D, G]`` for per-channel keys, ``[G, D]`` for per-token keys);
 - ``fp8``: ``k_fp8 [G, D]`` float8_e4m3fn, ``k_scale [G]`` fp16, and the same for V;
-- ``fp16`` (no quantization): ``k_fp8``/``v_fp8`` hold the K/V tile ``[G, D]`` in the model dtype
-  (the field name is the one :class:`kvarn.methods.EncodedKV` uses).
+- ``fp16`` (no quantization): ``keys``/``values``, the K/V tile ``[G, D]`` in the model dtype.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ def grown_capacity(capacity: int, need: int, limit: int | None = None) -> int:
     return new if limit is None else min(new, max(limit, need))
 
 
-_FLOAT_FIELDS = ("k_fp8", "k_scale", "v_fp8", "v_scale")
+_FLOAT_FIELDS = ("keys", "values", "k_fp8", "k_scale", "v_fp8", "v_scale")
 
 
 _COL_FIELDS = ("k_col_scale", "v_col_scale")

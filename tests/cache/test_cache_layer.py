@@ -234,7 +234,7 @@ def test_decoded_cache_reads_the_same_history(method):
     assert fast["decoded_cache_bytes"] >= 4 * 2 * 2 * 64 * 2 * caches[1].layers[0].num_tiles[0] * 32
 
 
-@pytest.mark.parametrize("method", ["kvarn", "kivi", "fp8"])
+@pytest.mark.parametrize("method", ["kvarn", "kivi", "fp8", "fp16"])
 def test_store_keeps_no_reference_to_an_appended_batch(method):
     """The format template is one cloned tile: a long prefill's encoded tiles are not held twice."""
     from kvarn.cache.store import TileStore
@@ -246,7 +246,7 @@ def test_store_keeps_no_reference_to_an_appended_batch(method):
     store.append([0] * 8, k, v)
     tmpl = store._template
     held = [] if tmpl.tiles is None else [getattr(tmpl.tiles, name) for name in FIELD_ORDER]
-    held += [t for t in (tmpl.k_fp8, tmpl.k_scale, tmpl.v_fp8, tmpl.v_scale) if t is not None]
+    held += [t for t in (tmpl.keys, tmpl.values, tmpl.k_fp8, tmpl.k_scale, tmpl.v_fp8, tmpl.v_scale) if t is not None]
     assert held and all(t.shape[0] == 1 for t in held)
     assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in held)
     dk, dv = store.decode()  # the template still serves decoding
