@@ -103,8 +103,8 @@ def test_matches_reference_decode(name, d, kernels):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16bit_fp_keys_within_the_dtype_rounding(dtype, kernels):
     """A bf16/fp16 engine stages its fp sink and tail in that dtype, and the fp part runs in it.
-    Bound: twice the rounding of the exact output to that dtype (stricter than STYLE.md's twice
-    torch's own error in the dtype: softmax attention in bf16 errs far more)."""
+    Bound: twice the rounding of the exact output to that dtype (stricter than the usual kernel
+    bound, twice torch's own error in the dtype: softmax attention in bf16 errs far more)."""
     cfg = KVarNConfig.from_name("k4v2_g128")
     b, hk, hq, d = 4, 2, 6, 64
     q, fk, fv, tiles, counts, lens = _case(cfg, b, hk, hq, d, [3, 0, 1, 2], [5, 1, cfg.tile, 17], seed=3)

@@ -6,8 +6,11 @@ On the GPU machine, two tiers:
     pytest tests/kernels tests/integrations/hf -m "not slow"   # fast: every kernel and path once at full size
     pytest tests/kernels tests/integrations/hf                 # full: every full-size sweep
 
-``slow`` marks the full-size parametrizations beyond the first of each sweep (the shapes, presets
-and launch options a fast run leaves out); on CPU they skip (they need CUDA) either way.
+``slow`` marks the full-size cases a fast run leaves out: of each full-size sweep, the cases off
+its diagonal (``kernel_data.full_sweep``: one case per preset, each with another shape), the
+encoder's launch options other than the cache's own, and the second preset or mode of the
+real-model and captured-decode tests. ``make test`` (CPU, interpreter) runs every case it can,
+slow or not.
 """
 
 import importlib.util

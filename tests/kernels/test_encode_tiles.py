@@ -17,8 +17,7 @@ from kvarn.codec.normalize import apply_scales, normalize_iterates
 from kvarn.codec.pack import unpack_codes
 from kvarn.codec.record import FIELD_ORDER, TileFields, fields_to_records
 
-from kernel_data import rotated_tiles, synthetic_kv
-from kernel_data import HAS_CUDA
+from kernel_data import HAS_CUDA, full_sweep, rotated_tiles, synthetic_kv
 
 kernels = pytest.importorskip("kvarn.kernels", reason="triton is not importable")
 
@@ -134,8 +133,7 @@ def test_encode_rotates_model_frame_tiles(bits, dtype, kdevice):
     assert not torch.equal(unrotated.k_codes, out.k_codes)
 
 
-@pytest.mark.parametrize("name", ["k2v2_g128", "k4v2_g128"])
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("name,d", full_sweep(["k2v2_g128", "k4v2_g128"], [128, 256]))
 def test_encode_rotates_full_size_tiles(name, d, kdevice):
     """The flush's form at a real tile size (G 128, D 128 / 256: both factors of the in-kernel
     rotation, 16K-32K values a program), also under the interpreter: 16 tiles of K and of V."""
@@ -289,8 +287,7 @@ def test_encode_errors(kdevice, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["k2v2_g128", "k4v2_g128", "k4v4_g128", "k4v2_g64"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("name,d", full_sweep(["k2v2_g128", "k4v2_g128", "k4v4_g128", "k4v2_g64"], [64, 128, 256]))
 def test_encode_full(name, d):
     cfg = KVarNConfig.from_name(name)
     k, v = synthetic_kv(4, 8, 4 * cfg.tile, d, "cuda", seed=d)
@@ -311,8 +308,12 @@ def test_encode_full(name, d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("opts", [dict(num_warps=4), dict(num_warps=8, max_registers=128), dict(num_warps=8),
-                                  dict(programs="beside")])
+@pytest.mark.parametrize("opts", [
+    pytest.param(dict(num_warps=4), marks=pytest.mark.slow),
+    pytest.param(dict(num_warps=8, max_registers=128), marks=pytest.mark.slow),
+    pytest.param(dict(num_warps=8), marks=pytest.mark.slow),
+    dict(programs="beside"),  # the cache's own cap beside the decode step
+])
 def test_encode_launch_options_keep_the_tolerance(opts):
     """The launch knobs (the defaults pick them by launch size, see ``_launch_options``) change the
     reduction order, not the encoding: every form stays within the twin's tolerance, here on a

@@ -116,7 +116,7 @@ def assert_same_tokens_and_tiles(tokens, logits, cache, ref_tokens, ref_logits, 
                                      f"({same:.1%} of the bytes equal; tokens first differ at {first})")
 
 
-@pytest.mark.parametrize("preset", ["k4v2_g128", "k2v2_g128"])
+@pytest.mark.parametrize("preset", ["k4v2_g128", pytest.param("k2v2_g128", marks=pytest.mark.slow)])
 def test_captured_kvarn_decode_matches_eager(model, preset):
     from kvarn.integrations.transformers import attention as hf_attention
 
@@ -162,6 +162,7 @@ def test_captured_decode_after_a_prompt_shorter_than_the_sink(model):
     assert_same_tokens_and_tiles(*out["cuda"], caches["cuda"], *out["none"], caches["none"], prompt=prompt)
 
 
+@pytest.mark.slow  # transformers' own StaticCache: no kvarn kernel
 def test_captured_static_cache_decode_matches_eager(model):
     ids = torch.randint(0, 1000, (2, PROMPT), device="cuda")
     model.set_attn_implementation("sdpa")
@@ -172,7 +173,7 @@ def test_captured_static_cache_decode_matches_eager(model):
     assert_same_decoding(*out["cuda"], *out["none"])
 
 
-@pytest.mark.parametrize("mode", ["none", "cuda"])
+@pytest.mark.parametrize("mode", [pytest.param("none", marks=pytest.mark.slow), "cuda"])
 def test_flush_ahead_waits_on_both_streams(model, mode, monkeypatch):
     """A tile's encode runs on a side stream, started after the attention read of the step that
     completes it (read_done). Both waits are stressed with GPU spins: on the step's stream before
