@@ -17,7 +17,7 @@ import sys
 
 
 # transformers' quantized caches (kvarn.cache.hf_baselines.HF_METHODS), named here so that building the
-# parser does not import transformers; tests/test_cache_hf_baselines.py checks the two agree.
+# parser does not import transformers; tests/cache/test_cache_hf_baselines.py checks the two agree.
 HF_BASELINES = ("hf-hqq", "hf-quanto")
 
 

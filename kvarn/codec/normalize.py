@@ -11,7 +11,7 @@ Arithmetic. The standard deviations are computed in float64 (mean, then the sum 
 deviations) and rounded once to float32: the correctly rounded ``ustd`` up to float64 rounding,
 which is also what ``torch.std`` returns for float32 input on CPU (it accumulates in float64,
 with Welford's update, one element at a time). The two agree bit for bit on every value tested
-(tests/test_normalize.py); the two-pass form takes a fraction of the time. Each iteration computes
+(tests/codec/test_normalize.py); the two-pass form takes a fraction of the time. Each iteration computes
 three of them, not four: the column deviations scored by one iteration's imbalance are the ones the
 next iteration's column update starts from.
 """

@@ -33,7 +33,7 @@ order and nothing is permuted afterwards; the V bytes ``[D/P, G]`` unpack to ``[
 
 Agrees with :func:`kvarn.attention.decode_attention` (the reference, which dequantizes every tile
 to float32) to float32 rounding for float32 inputs, and to the rounding of the input dtype for
-16-bit fp keys; tests/test_folded.py checks both.
+16-bit fp keys; tests/cpu/test_decode.py checks both.
 """
 
 from __future__ import annotations

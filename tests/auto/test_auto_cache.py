@@ -137,7 +137,7 @@ def _r3_prompt(tok, tokens=S + 3 * G + 20):
     """The bundled WikiText excerpt, cut to ``tokens`` tokens (the self-test needs S + 3G)."""
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "kvarn" / "data" / "wikitext_excerpt.txt").read_text()
+    text = (Path(__file__).resolve().parents[2] / "kvarn" / "data" / "wikitext_excerpt.txt").read_text()
     return tok.decode(tok(text[:2000])["input_ids"][:tokens])
 
 
