@@ -6,12 +6,12 @@ For each model and prompt length, the median wall time of:
 - ``kvarn``: the prefill forward with KVarNCache(kvarn) plus the freeze that encodes the prompt's tiles;
 - ``kvarn-auto`` (its default rule, a2): the same with the prompt capture, the per-head decision
   (:mod:`kvarn.auto`) and the flavoured encode;
-- ``kvarn-auto r3`` (an option): the same plus the self-test (:mod:`kvarn.selftest`: the candidate
+- ``kvarn-auto r3`` (an option): the same plus the self-test (:mod:`kvarn.auto.self_test_rule`: the candidate
   policies run as one batch over two tiles of the prompt);
 - one decode step after the prefill, for kvarn and kvarn-auto (the read path is the same code),
   also round-robin.
 
-The goal of the issue is ``kvarn-auto prefill <= 2 x fp16 prefill``; the table also gives the
+The goal is ``kvarn-auto prefill <= 2 x fp16 prefill``; the table also gives the
 decision's own share, ``(kvarn-auto - kvarn) / fp16``. The prefills are timed round-robin and the
 ratios are medians over rounds of same-round ratios, so that other work on a shared machine
 loads every variant alike; the load average before and after is recorded (run it idle).

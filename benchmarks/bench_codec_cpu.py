@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kvarn import KVarNConfig, dequantize_kv, quantize_kv
-from kvarn.codec import numba_available
+from kvarn.cpu import numba_available
 from kvarn.methods import TileCodec
 
 

@@ -11,7 +11,7 @@ Caches (``--caches``), every ratio against ``fp16_flash`` measured in the same r
   ``mode="reduce-overhead"``, CUDA graphs), the captured fp16 anchor people use. Compiling an
   8B-shaped model takes tens of seconds per shape, so it is not in the default list.
 - ``fp16_static_graph``: ``StaticCache`` with the decode step captured in an explicit CUDA graph by
-  :func:`kvarn.integrations.hf_graph.decode_greedy` (the same capture as ``kvarn_graph``).
+  :func:`kvarn.integrations.transformers.graph.decode_greedy` (the same capture as ``kvarn_graph``).
 - ``fp16_flash_graph``: ``fp16_flash`` with every step captured in its own CUDA graph at that
   step's length and replayed once; only the replays are timed (the captures' host time is not).
   Not a way to decode (a graph per length), the bound of a captured fp16 flash step: exact
@@ -87,7 +87,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, LogitsProc
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
 from kvarn.config import KVarNConfig  # noqa: E402
-from kvarn.integrations import hf_attention, hf_graph  # noqa: E402
+from kvarn.integrations.transformers import attention as hf_attention, graph as hf_graph  # noqa: E402
 
 GIB = 1 << 30
 SHAPES = {

@@ -40,7 +40,7 @@ def make_cache(model, method: str, args, max_length: int):
     from kvarn import KVarNCache
 
     if args.device == "cuda":
-        from kvarn.integrations import hf_attention
+        from kvarn.integrations.transformers import attention as hf_attention
 
         hf_attention.use_fused(model)
         return hf_attention.fused_cache(model, args.preset, method=method, max_length=max_length)
@@ -52,7 +52,7 @@ def run(model, method: str, args, ids: torch.Tensor) -> dict:
     from kvarn.auto import first_tile_tokens
     from kvarn.config import KVarNConfig
 
-    import kvarn.cache.auto as cache_auto
+    import kvarn.auto.layer as cache_auto
 
     n = first_tile_tokens(KVarNConfig.from_name(args.preset))
     decide, spent = cache_auto.decide_first_tile, []

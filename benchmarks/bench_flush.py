@@ -29,18 +29,10 @@ from kvarn import kernels
 from kvarn.auto import auto_ranges
 from kvarn.cache.store import TileStore
 from kvarn.codec import encode_tiles as torch_encode
+from kvarn.codec.record import record_layout
 from kvarn.config import KVarNConfig
-from kvarn.integrations.triton_codec import TritonTileCodec
-
-try:
-    from kvarn.integrations.freeze_schedule import beside_programs
-except ImportError:  # an older tree (the A/B comparisons)
-    from kvarn.integrations.hf_graph import _beside_programs as beside_programs
-
-try:
-    from kvarn.record import record_layout
-except ImportError:  # an older tree (the A/B comparisons)
-    from kvarn.codec import record_layout
+from kvarn.integrations.transformers.freeze_schedule import beside_programs
+from kvarn.integrations.transformers.triton_codec import TritonTileCodec
 
 LAYERS, HK, D = 32, 8, 128
 

@@ -3,7 +3,7 @@
 ``import kvarn`` needs only torch; transformers, triton and vLLM are imported lazily.
 """
 
-from .codec import QuantizedKV, dequantize_kv, quantize_kv
+from .codec.tiles import QuantizedKV, dequantize_kv, quantize_kv
 from .config import PRESETS, KVarNConfig
 
 __all__ = ["KVarNConfig", "PRESETS", "QuantizedKV", "quantize_kv", "dequantize_kv", "KVarNCache", "models"]

@@ -10,7 +10,7 @@ A sequence's history is three regions, all stored in the rotated frame (``k' = k
 
 GQA: query head ``hq`` reads KV head ``hq // (Hq // Hk)``, as transformers' ``repeat_kv`` does.
 
-Per-head frames (kvarn-auto, :mod:`kvarn.flavour`): ``key_rotated`` / ``value_rotated`` (bool
+Per-head frames (kvarn-auto, :mod:`kvarn.codec.flavour`): ``key_rotated`` / ``value_rotated`` (bool
 ``[B, Hk]``, None = all True, the spec) say, per row and KV head, whether that head's keys / values
 live in the rotated frame or in the model frame. The query is rotated only where ``key_rotated``
 and the output un-rotated only where ``value_rotated``; with ``fp_frame="model"`` the sink and tail
@@ -31,10 +31,10 @@ import math
 
 import torch
 
-from .codec import decode_tiles
+from .codec.flavour import rotate_where
+from .codec.record import TileFields
+from .codec.tiles import decode_tiles
 from .config import KVarNConfig
-from .flavour import rotate_where
-from .record import TileFields
 
 __all__ = ["decode_attention", "check_decode_inputs", "head_flags"]
 

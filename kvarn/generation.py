@@ -46,7 +46,7 @@ def run(model, tokenizer, prompt: str, method: str = "kvarn", preset: str = "k2v
     ``decoded_cache`` keeps frozen tiles dequantized once (see :class:`kvarn.KVarNCache`): same
     tokens, much faster on CPU; the memory report counts it apart as ``decoded_cache_bytes``.
     ``cache_factory(model, method, preset, **overrides)``: builds the cache instead (for example
-    :func:`kvarn.integrations.hf_attention.cache_for`, the fused cache on a GPU); ``decoded_cache``
+    :func:`kvarn.integrations.transformers.attention.cache_for`, the fused cache on a GPU); ``decoded_cache``
     is then the factory's business.
     """
     if max_new_tokens < 1:

@@ -22,7 +22,7 @@ an fp16 column scale. Stored bytes count codes plus exactly the scales each meth
 
 ``kvarn-auto`` stores the spec's KVarN records; which of rotation and normalization each (row, KV head)
 uses is decided from the prompt (:mod:`kvarn.auto`) and passed to :meth:`TileCodec.encode` /
-:meth:`TileCodec.decode` as :class:`kvarn.flavour.Flavours`. Its rows of 2-bit codes are rounded
+:meth:`TileCodec.decode` as :class:`kvarn.codec.flavour.Flavours`. Its rows of 2-bit codes are rounded
 over their [q, 1 - q] quantiles (:func:`kvarn.auto.auto_ranges`, resolved into the codec's config
 where the caller's config leaves the ranges open); without flavours it is KVarN with those ranges.
 """
@@ -33,11 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import CODEC_KERNELS, _encode_one, decode_tiles, rotate_kv, tile_passes, validate_kv
+from .codec.flavour import Flavours, decode_flavoured, encode_flavoured
+from .codec.hadamard import rotate
+from .codec.record import TileFields
+from .codec.tiles import decode_tiles, encode_tile_fields, rotate_kv, validate_kv
 from .config import KVarNConfig
-from .flavour import Flavours, decode_flavoured, encode_flavoured
-from .hadamard import rotate
-from .record import TileFields
+from .cpu import CODEC_KERNELS, tile_passes
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 RECORD_METHODS = ("kvarn", "kvarn-auto")  # methods stored as the spec's padded records
@@ -92,6 +93,8 @@ class EncodedKV:
     shape: tuple[int, int, int, int]
     nbytes: int
     tiles: TileFields | None = None      # integer methods
+    keys: torch.Tensor | None = None     # fp16 (no quantization): [B, H, T, D], the input's dtype
+    values: torch.Tensor | None = None
     k_fp8: torch.Tensor | None = None    # fp8: [B, H, T, D] float8_e4m3fn
     k_scale: torch.Tensor | None = None  # fp8: [B, H, T] fp16
     v_fp8: torch.Tensor | None = None
@@ -102,7 +105,7 @@ class EncodedKV:
 class TileCodec:
     """Encode/decode full tiles of K/V with one method. Inputs are in the model's frame (K after RoPE).
 
-    ``kernels``: who makes the passes over the tiles when encoding (:func:`kvarn.codec.tile_passes`):
+    ``kernels``: who makes the passes over the tiles when encoding (:func:`kvarn.cpu.tile_passes`):
     ``"auto"`` (numba's loops on CPU where numba is installed, else torch), ``"numba"`` or
     ``"torch"``. The stored bits are the same either way.
     """
@@ -114,9 +117,9 @@ class TileCodec:
         if kernels not in CODEC_KERNELS:
             raise ValueError(f"kernels={kernels!r}; choose one of {list(CODEC_KERNELS)}")
         if kernels == "numba":
-            from . import cpu_kernels  # noqa: F401  (the ImportError naming numba now, not at the first encode)
+            from .cpu import encoder  # noqa: F401  (the ImportError naming numba now, not at the first encode)
         if self.method.name == "kvarn-auto":
-            from .auto import auto_ranges
+            from .auto.rules import auto_ranges
 
             config = auto_ranges(config)
         self.config = config
@@ -152,10 +155,10 @@ class TileCodec:
         if flavours is not None:
             if m.name != "kvarn-auto":
                 raise ValueError(f"flavours are only meaningful for method 'kvarn-auto', not {m.name!r}")
-            tiles = encode_flavoured(keys, values, flavours, c, self.kernels)
+            tiles = encode_flavoured(keys, values, flavours, c, tile_passes(self.kernels, keys.device))
             return EncodedKV(m, tuple(keys.shape), nbytes, tiles=tiles, flavours=flavours)
         if m.fmt == "none":
-            return EncodedKV(m, tuple(keys.shape), nbytes, k_fp8=keys.clone(), v_fp8=values.clone())
+            return EncodedKV(m, tuple(keys.shape), nbytes, keys=keys.clone(), values=values.clone())
         if m.fmt == "fp8":
             kq, ks = _fp8_encode(keys)
             vq, vs = _fp8_encode(values)
@@ -170,8 +173,8 @@ class TileCodec:
         iters = c.sinkhorn_iters if m.normalize else 0
         passes = tile_passes(self.kernels, keys.device)
         kq, vq = c.quantiles
-        kc, ks, kz, kr = _encode_one(k, c.key_bits, iters, kq, passes=passes)
-        vc, vs, vz, vcol = _encode_one(v, c.value_bits, iters, vq, passes=passes)
+        kc, ks, kz, kr = encode_tile_fields(k, c.key_bits, iters, kq, passes=passes)
+        vc, vs, vz, vcol = encode_tile_fields(v, c.value_bits, iters, vq, passes=passes)
         return EncodedKV(m, tuple(keys.shape), nbytes, tiles=TileFields(kc, ks, kz, kr, vc, vcol, vs, vz))
 
     def decode(self, enc: EncodedKV) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +182,7 @@ class TileCodec:
         m, c = enc.method, self.config
         b, h, t, d = enc.shape
         if m.fmt == "none":
-            return enc.k_fp8.to(torch.float32), enc.v_fp8.to(torch.float32)
+            return enc.keys.to(torch.float32), enc.values.to(torch.float32)
         if m.fmt == "fp8":
             return _fp8_decode(enc.k_fp8, enc.k_scale), _fp8_decode(enc.v_fp8, enc.v_scale)
         if enc.flavours is not None:

@@ -199,6 +199,14 @@ def load(
     return model, tokenizer
 
 
+def attention_modules(model) -> list:
+    """The self-attention modules of a decoder, ordered by ``layer_idx``."""
+    mods = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
+    if not mods:
+        raise ValueError(f"{type(model).__name__} has no attention modules with layer_idx and o_proj")
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
 def sliding_window_layers(model) -> list[int]:
     """Indices of the decoder layers that use sliding-window attention (empty if none).
 

@@ -1,7 +1,7 @@
 """Tile records in vLLM's paged KV cache: the pure-torch twins of the paged Triton kernels.
 
 Layout (docs/vllm.md). A KV block of G tokens holds, per KV head, one record of
-docs/algorithm.md section 4 (the tile-store order of :mod:`kvarn.record`): a layer's pages are
+docs/algorithm.md section 4 (the tile-store order of :mod:`kvarn.codec.record`): a layer's pages are
 uint8 ``[num_blocks, Hk, record_bytes]``, and a request's tile ``j`` (tokens ``jG .. jG + G - 1``)
 is the record at page ``block_table[row, j]``. Tokens not in a record (the sink, the unfinished
 tail) live in the request's staging slot ``[L, Hk, D]`` in the rotated frame: the sink at slot rows
@@ -21,8 +21,8 @@ import torch
 from .attention import decode_attention
 from .codec import encode_tiles
 from .config import KVarNConfig
-from .hadamard import rotate as rotate_rows
-from .record import record_field_views, store_records
+from .codec.hadamard import rotate as rotate_rows
+from .codec.record import record_field_views, store_records
 
 
 def _tile_rows(rows: torch.Tensor, src_rows: torch.Tensor, tile: int) -> torch.Tensor:

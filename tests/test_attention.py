@@ -95,7 +95,7 @@ def test_bad_inputs():
 def _mixed_history(b, hk, s, n, r, d, cfg, key_rot, value_rot, seed=0):
     """Model-frame K/V; tiles in each head's own frame (rotated where the flag says), every head with
     normalization on or off at random."""
-    from kvarn.flavour import Flavours, encode_flavoured
+    from kvarn.codec.flavour import Flavours, encode_flavoured
 
     g = torch.Generator().manual_seed(seed)
     t = s + n * cfg.tile + r

@@ -64,7 +64,7 @@ def test_int_method_layouts(method):
     f = TileCodec(method, c).encode(k, v).tiles
     d, g = 64, 64
     # [B, H, n_tiles, rows, packed columns]: per-channel keys have D rows of G tokens
-    # code matrices are stored transposed (kvarn.record): packed bytes along the last-but-one axis
+    # code matrices are stored transposed (kvarn.codec.record): packed bytes along the last-but-one axis
     assert f.k_codes.shape == ((1, 2, 2, g * 4 // 8, d) if spec.key_per_channel else (1, 2, 2, d * 4 // 8, g))
     assert f.v_codes.shape == (1, 2, 2, d * 2 // 8, g)
     assert f.k_row_scale.dtype == torch.float16 and f.k_codes.dtype == torch.uint8

@@ -24,7 +24,7 @@ Prefill: the first pass may be longer or shorter than a chunk (``prefill`` token
 prompt); its finished tiles are quantized after it and later chunks attend to them. The chunks after
 it end on multiples of ``chunk``, so that with ``chunk`` equal to the tile every tile is still
 frozen by the pass after the one that completes it, as in decoding. kvarn-auto decides its flavours
-as the cache does (:mod:`kvarn.cache.auto`): from the first pass when it holds a full tile past the
+as the cache does (:mod:`kvarn.auto.layer`): from the first pass when it holds a full tile past the
 sink, else when the pass that completes that tile has run, from the sink's and the tile's ``S + G``
 tokens (:func:`kvarn.auto.decide_first_tile`), before the tile is frozen. It reads the shadow's
 queries, keys and values, which equal the method's own up to that point (nothing is quantized
@@ -39,8 +39,8 @@ import math
 
 import torch
 
-from ..auto import AutoSettings, decide, decide_first_tile, first_tile_tokens
-from ..decision import LayerDecision
+from ..auto.decision import LayerDecision
+from ..auto.rules import AutoSettings, decide, decide_first_tile, first_tile_tokens
 from ..config import KVarNConfig
 from ..methods import TileCodec, get_method
 from .capture import (
@@ -291,8 +291,8 @@ def _decide_first_tile(module, q, k, v, kw, run_states) -> None:
 
 
 def _self_test_policy(model, prompt, shadow, fp_logits, st: _MethodState) -> None:
-    """kvarn-auto rule r3: the self-test (:mod:`kvarn.selftest`) on the first pass picks the policy."""
-    from ..selftest import self_test_positions, settle
+    """kvarn-auto rule r3: the self-test (:mod:`kvarn.auto.self_test_rule`) on the first pass picks the policy."""
+    from ..auto.self_test_rule import self_test_positions, settle
 
     kv = [(la.keys, la.values) for la in shadow.layers]
     pos = self_test_positions(st.codec.config)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..auto import decide, decide_first_tile, first_tile_tokens
-from ..decision import LayerDecision
+from ..auto.decision import LayerDecision
+from ..auto.rules import decide, decide_first_tile, first_tile_tokens
 from ..methods import TileCodec, get_method
 from .capture import (
     TileFreezer, attention_modules, drift_attention, freeze_cache, new_cache, observe, sliding_layers,
@@ -54,13 +54,13 @@ def _freezer(model, spec: MethodSpec, sink_tokens, quantize_sliding_window, prom
 def _decide_on_prompt(model, prompt_ids: torch.Tensor, freezer: TileFreezer, settings,
                       continuation: list[int] | None = None) -> None:
     """kvarn-auto: one exact prefill of the prompt sets the freezer's flavours for every quantized layer
-    (rule r3: then the self-test on it, :func:`kvarn.selftest.settle`).
+    (rule r3: then the self-test on it, :func:`kvarn.auto.self_test_rule.settle`).
 
     A prompt shorter than ``S + G`` decides at its first tile past the sink instead
-    (:func:`kvarn.auto.decide_first_tile`), from the prompt and the first tokens of ``continuation``
+    (:func:`kvarn.auto.rules.decide_first_tile`), from the prompt and the first tokens of ``continuation``
     (fp16's greedy tokens): the method generates exactly those up to that tile, nothing being
     quantized before it. Without enough of them, KVarN stays on every head."""
-    from ..selftest import self_test_positions, settle
+    from ..auto.self_test_rule import self_test_positions, settle
 
     decisions = {}
     p, n = prompt_ids.shape[1], first_tile_tokens(freezer.config)

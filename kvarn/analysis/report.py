@@ -21,7 +21,7 @@ error, ``*_mean`` over all tokens.
 (``prefill`` tokens), the accumulated-regime figures. ``chunk_targets`` (per pass: the tokens it
 predicts), ``fp16_chunk_nll`` and each method's ``chunk_nll`` (per pass: the summed negative
 log-likelihood) give the same over any later range of passes. ``prompt_diagnostics[preset][layer]`` and, for
-kvarn-auto, ``auto_decisions[layer]`` hold :meth:`kvarn.decision.RowDecision.summary` per quantized layer:
+kvarn-auto, ``auto_decisions[layer]`` hold :meth:`kvarn.auto.decision.RowDecision.summary` per quantized layer:
 per KV head the prompt's key logit error with rotated (KVarN) and unrotated (VarN) keys, the
 correlation of log key variance with log query energy over channels, and the chosen flags.
 """

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..auto import AutoSettings, auto_ranges
+from ..auto.rules import AutoSettings, auto_ranges
 from ..config import KVarNConfig
 from ..methods import METHODS, get_method
 

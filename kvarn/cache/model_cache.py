@@ -24,8 +24,8 @@ Methods (``method=``; every one uses the same tiles, sink and tail, see :mod:`kv
 - ``varn``: the KVarN paper's "VarN" ablation: variance normalization without rotation.
 - ``fp8``: FP8 e4m3 with an fp16 per-token scale (vLLM's fp8 KV-cache format).
 - ``kvarn-auto``: kvarn's records, with rotation and normalization chosen per (row, layer, KV head)
-  from the prompt (:mod:`kvarn.auto`, :mod:`kvarn.cache.auto`); it reads the prefill's queries
-  (:mod:`kvarn.cache.prompt_capture`), so it needs the model itself (built from a config or None,
+  from the prompt (:mod:`kvarn.auto`, :mod:`kvarn.auto.layer`); it reads the prefill's queries
+  (:mod:`kvarn.auto.prompt_capture`), so it needs the model itself (built from a config or None,
   every layer is KVarN, with a warning); a row whose prompt is shorter than ``sink_tokens + tile``
   decides when its first tile past the sink completes, from the queries the decode steps bring.
   :meth:`KVarNCache.flavours` and ``memory_report()["flavours"]`` report the choices, when each was
@@ -52,15 +52,13 @@ from dataclasses import replace, fields as dc_fields
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer, QuantizedLayer
 
-from ..auto import AutoSettings
+from ..auto.rules import AutoSettings
 from ..config import KVarNConfig, check_head_dim
 from ..methods import METHODS, Method, TileCodec, get_method
-from .auto import KVarNAutoLayer
 from .hf_baselines import HF_GROUP, HF_METHODS, hf_layer_factory, hf_memory
 from .layer import KVarNLayer
-from .memory import dense_entry, total_entry
 from .layer_types import SLIDING_TYPES, layer_types_of, text_config
-from .prompt_capture import install_prompt_capture
+from .memory import dense_entry, total_entry
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +138,9 @@ class KVarNCache(Cache):
         self.config = self.codec.config  # the method's ranges resolved (kvarn-auto's, kvarn.auto.auto_ranges)
         layer_cls = KVarNLayer
         if self.method.name == "kvarn-auto":
+            # kvarn-auto's layer and hooks are built on this package's layers: imported where used
+            from ..auto.layer import KVarNAutoLayer
+
             layer_cls = functools.partial(KVarNAutoLayer, settings=auto or AutoSettings())
         if attention_mask is not None:
             self._padding.pads = pads_from_mask(attention_mask)
@@ -166,6 +167,8 @@ class KVarNCache(Cache):
             if attention_mask is None:
                 self._install_hook()
             if self.method.name == "kvarn-auto":
+                from ..auto.prompt_capture import install_prompt_capture
+
                 self._auto_hooks = install_prompt_capture(model_or_config, self)
                 for layer in self.layers:
                     if isinstance(layer, KVarNAutoLayer):
@@ -240,8 +243,12 @@ class KVarNCache(Cache):
     def flavours(self) -> dict[int, list[dict] | None]:
         """kvarn-auto: per quantized layer, per row, ``decided``, when (``decided_at``: ``"prefill"`` or
         ``"first_tile"``) and from how many tokens and queries, ``pending`` and each KV head's
-        flavour name (:meth:`kvarn.flavour.Flavours.names`; :meth:`kvarn.cache.auto.KVarNAutoLayer.flavours`);
+        flavour name (:meth:`kvarn.codec.flavour.Flavours.names`; :meth:`kvarn.auto.layer.KVarNAutoLayer.flavours`);
         None for a layer that has seen no query yet. {} otherwise."""
+        if self.method.name != "kvarn-auto":
+            return {}
+        from ..auto.layer import KVarNAutoLayer
+
         return {i: layer.flavours() for i, layer in enumerate(self.layers) if isinstance(layer, KVarNAutoLayer)}
 
     def check_numerics(self) -> None:

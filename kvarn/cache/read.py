@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..codec.record import TileFields
 from ..config import KVarNConfig
-from ..record import TileFields
 
 if TYPE_CHECKING:
     from .layer import KVarNLayer

@@ -8,21 +8,20 @@ O(1) while reserved slots stay within 10% of the used ones. Unused slots are zer
 
 Fields per (row, KV head, tile), by method format (see :mod:`kvarn.methods`):
 
-- integer methods (kvarn, kivi, rtn, quarot, hkivi, varn): the :class:`kvarn.record.TileFields`
+- integer methods (kvarn, kivi, rtn, quarot, hkivi, varn): the :class:`kvarn.codec.record.TileFields`
   ``k_codes, k_row_scale, k_row_zero, k_col_scale, v_codes, v_col_scale, v_row_scale, v_row_zero``
   (K tile ``[D, G]`` for per-channel keys, ``[G, D]`` for per-token keys);
 - ``fp8``: ``k_fp8 [G, D]`` float8_e4m3fn, ``k_scale [G]`` fp16, and the same for V;
-- ``fp16`` (no quantization): ``k_fp8``/``v_fp8`` hold the K/V tile ``[G, D]`` in the model dtype
-  (the field name is the one :class:`kvarn.methods.EncodedKV` uses).
+- ``fp16`` (no quantization): ``keys``/``values``, the K/V tile ``[G, D]`` in the model dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..flavour import Flavours
+from ..codec.flavour import Flavours
+from ..codec.record import FIELD_ORDER, TileFields
 from ..methods import RECORD_METHODS, EncodedKV, TileCodec
-from ..record import FIELD_ORDER, TileFields
 
 def grown_capacity(capacity: int, need: int, limit: int | None = None) -> int:
     """Capacity for ``need`` slots: ``need``, or 10% more than ``capacity`` when that is larger
@@ -32,7 +31,7 @@ def grown_capacity(capacity: int, need: int, limit: int | None = None) -> int:
     return new if limit is None else min(new, max(limit, need))
 
 
-_FLOAT_FIELDS = ("k_fp8", "k_scale", "v_fp8", "v_scale")
+_FLOAT_FIELDS = ("keys", "values", "k_fp8", "k_scale", "v_fp8", "v_scale")
 
 
 _COL_FIELDS = ("k_col_scale", "v_col_scale")
@@ -201,7 +200,7 @@ class TileStore:
     def reserve(self, layout: list[tuple[str, tuple[int, ...], torch.dtype]], capacity: int) -> None:
         """Allocate every field for ``capacity`` slots per row before the first tile is written.
 
-        layout: ``(field, per-tile shape, dtype)`` as :func:`kvarn.record.record_layout` gives them.
+        layout: ``(field, per-tile shape, dtype)`` as :func:`kvarn.codec.record.record_layout` gives them.
         The fields then never move while the count stays within ``capacity`` (a captured CUDA
         graph keeps their addresses).
         """

@@ -4,7 +4,7 @@ Runs every (task, method, preset) combination, one JSONL file each, then writes 
 and ``summary.md`` for everything in DIR. Rerunning resumes. ``fp16`` ignores the preset.
 
 ``--device cuda`` generates on a GPU; there the ``kvarn`` and ``kvarn-auto`` methods decode through the
-fused attention (:mod:`kvarn.integrations.hf_attention`), the other methods through the cache's own
+fused attention (:mod:`kvarn.integrations.transformers.attention`), the other methods through the cache's own
 read path.
 ``--regrade`` generates nothing: it grades the stored outputs of DIR again (for example HumanEval
 programs generated on a machine whose sandbox could not run) and rewrites the JSONL files and the
@@ -114,7 +114,7 @@ def _main(args) -> int:
     model.to(device)
     cache_factory = None
     if device.type == "cuda":
-        from kvarn.integrations import hf_attention
+        from kvarn.integrations.transformers import attention as hf_attention
 
         hf_attention.use_fused(model)
         cache_factory = hf_attention.cache_for

@@ -5,7 +5,7 @@ Generates (greedy) with a KVarN cache and prints the text, tokens/s and the cach
 divergence. ``--json`` prints everything as one JSON object instead.
 
 ``--device cuda`` generates on a GPU; there the ``kvarn`` and ``kvarn-auto`` methods decode through
-the fused attention (:mod:`kvarn.integrations.hf_attention`: packed tiles read by the Triton kernel),
+the fused attention (:mod:`kvarn.integrations.transformers.attention`: packed tiles read by the Triton kernel),
 the other methods through the cache's own read path.
 """
 
@@ -17,7 +17,7 @@ import sys
 
 
 # transformers' quantized caches (kvarn.cache.hf_baselines.HF_METHODS), named here so that building the
-# parser does not import transformers; tests/test_cache_hf_baselines.py checks the two agree.
+# parser does not import transformers; tests/cache/test_cache_hf_baselines.py checks the two agree.
 HF_BASELINES = ("hf-hqq", "hf-quanto")
 
 
@@ -70,7 +70,7 @@ def _main(args) -> int:
     model, tokenizer = models.load(args.model, dtype=getattr(torch, args.dtype))
     kw = dict(chat=not args.no_chat, overrides=_overrides(args))
     if device.type == "cuda":
-        from kvarn.integrations import hf_attention
+        from kvarn.integrations.transformers import attention as hf_attention
 
         model.to(device)
         hf_attention.use_fused(model)

@@ -53,8 +53,8 @@ import triton
 import triton.language as tl
 
 from ..attention import check_decode_inputs, head_flags
+from ..codec.record import FIELD_ORDER, TileFields
 from ..config import KVarNConfig
-from ..record import FIELD_ORDER, TileFields
 from .decode_blocks import fp_block, fp_result, hilo, merge_range, store_output, store_partial, tile_load, tile_step
 from .decode_plan import BLOCK_N, MERGE_GROUP, launch_plan, merge_counters, plan_splits
 from .hadamard import hadamard_rows
@@ -364,7 +364,7 @@ def paged_decode_attention(
     per-row tensors int32 on the device. ``max_tiles`` fixes the launch (splits), so a captured
     graph replays any lengths up to it. Returns ``out`` (or a new tensor) ``[R, Hq, D]``.
     """
-    from ..record import record_field_views
+    from ..codec.record import record_field_views
 
     r, hq, d = query.shape
     p, length, hk, _ = staging_k.shape

@@ -3,7 +3,7 @@
 Twin of :func:`kvarn.codec.encode_tiles`. One program per (tile, K or V): the whole tile ``X [R, C]``
 stays in registers through the T iterations of the dual-axis normalization (spec section 2; best
 iterate per tile, identity included, ties to the later iterate), then rows are rounded to nearest
-even (spec section 3), packed low bits first (spec section 4; code matrices stored transposed, as :mod:`kvarn.record`
+even (spec section 3), packed low bits first (spec section 4; code matrices stored transposed, as :mod:`kvarn.codec.record`
 says) and the fp16 fields are stored.
 
 The tiles come in rotated, or in the model frame (``rotate``): then the kernel rotates each token
@@ -12,7 +12,7 @@ reserved slots (``slot``), with the range check as a device flag (``bad``) inste
 
 kvarn-auto: ``normalize`` flags per tile switch the normalization off for K or V of that tile: the
 identity stays the chosen iterate, so the column scales are exactly 1 and only the RTN step is
-stored, as :mod:`kvarn.flavour` encodes with T = 0; ``rotate`` flags per tile say which tiles are
+stored, as :mod:`kvarn.codec.flavour` encodes with T = 0; ``rotate`` flags per tile say which tiles are
 rotated (the others are stored in the model frame).
 
 One tile's normalization, rounding, packing and stores, and how their arithmetic differs from
@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..codec.quantize import quantile_ranks
+from ..codec.record import TileFields
 from ..config import KVarNConfig
-from ..quantize import quantile_ranks
-from ..record import TileFields
 from .encode_tile import encode_one
 from .hadamard import hadamard_rows
 from .layout import (check_device, check_fields, check_launch_knobs, empty_fields, interpreting, lead_strides,
@@ -153,7 +153,7 @@ def _encode_tiles_kernel(
 
 def _quantile_taps(q: float, n: int) -> tuple[bool, tuple]:
     """The [q, 1 - q] quantiles of rows of n values as torch.quantile takes them
-    (:func:`kvarn.quantize.quantile_ranks`) -> (on, (lo below, lo above, hi below, hi above, lo
+    (:func:`kvarn.codec.quantize.quantile_ranks`) -> (on, (lo below, lo above, hi below, hi above, lo
     coeff, hi coeff)), the lerp coefficients as :func:`_lerp` takes them; q = 0: min/max (off)."""
     if q <= 0.0:
         return False, (0, 0, 0, 0, 0.0, 0.0)
@@ -246,7 +246,7 @@ def encode_tiles(
     many programs each for K and V, each encoding every ``programs``-th tile (default: one
     program a tile; the launch options follow the programs): the same bits, in a launch that
     leaves SMs to the kernels it runs beside (the decode step's encodes on a side stream, see
-    :meth:`~kvarn.integrations.triton_codec.TritonTileCodec.beside`).
+    :meth:`~kvarn.integrations.transformers.triton_codec.TritonTileCodec.beside`).
     """
     if not isinstance(config, KVarNConfig):
         raise TypeError(f"config must be a KVarNConfig, got {type(config).__name__}")
@@ -336,12 +336,12 @@ def encode_into_pages(
     rows (a staging buffer, or a step's keys and values), any float dtype, channels contiguous;
     in the rotated frame, or in the model frame with ``rotate`` (the kernel rotates each token).
     ``src_rows``: int32 ``[C]``, tile ``c`` is rows ``src_rows[c] .. src_rows[c] + G - 1`` of every
-    KV head. ``pages``: uint8 ``[num_blocks, Hk, record_bytes]`` (:mod:`kvarn.record`'s tile-store
+    KV head. ``pages``: uint8 ``[num_blocks, Hk, record_bytes]`` (:mod:`kvarn.codec.record`'s tile-store
     order); tile ``c`` is written at page ``dst_pages[c]`` (int32 ``[C]``), and skipped where that is
     negative, so a captured graph can launch a fixed ``C`` and the host decide per replay which
     tiles exist. No range check on the device: the host owns the indices.
     """
-    from ..record import record_field_views
+    from ..codec.record import record_field_views
 
     if rows_k.shape != rows_v.shape or rows_k.dim() != 3:
         raise ValueError(f"rows_k and rows_v must be [N, Hk, D] alike, got {tuple(rows_k.shape)}, {tuple(rows_v.shape)}")

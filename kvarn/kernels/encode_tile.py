@@ -182,7 +182,7 @@ def encode_one(
     lrs = _lg2_std_rows(x, id_c, C, ASM)
     # The log-scales are kept in log2 units (a2 = a log2(e)), their deviations as log2 std. Zeros
     # made from the deviations take their layout, so that this function also runs where layouts are
-    # explicit (a Gluon caller: benchmarks/study_encode_partitions.py); the same constants here.
+    # explicit (a Gluon caller); the same constants here.
     a2 = tl.where(lcs != lcs, 0.0, 0.0)
     b2 = tl.where(lrs != lrs, 0.0, 0.0)
     best = _score(lcs, lrs, ASM)
@@ -238,7 +238,7 @@ def encode_one(
         packed = _pack(q, BITS, P)
     pcols = tl.arange(0, CB)
     prows = tl.arange(0, R)  # the packed codes' own index (their layout differs from the scales')
-    # Stored transposed, [C / P, R] (the code byte order of kvarn.record).
+    # Stored transposed, [C / P, R] (the code byte order of kvarn.codec.record).
     tl.store(codes_ptr + codes_off + pcols[None, :] * R + prows[:, None], packed.to(tl.uint8))
     rs = (row_scale * step).to(tl.float16)
     rz = (row_scale * lo).to(tl.float16)

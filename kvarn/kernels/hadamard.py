@@ -1,5 +1,5 @@
 """The Hadamard rotation of a few rows in registers, on tensor cores: the kernels' counterpart of
-:func:`kvarn.hadamard.rotate` (spec section 1) for their tiles and queries.
+:func:`kvarn.codec.hadamard.rotate` (spec section 1) for their tiles and queries.
 
 :func:`hadamard_rows` returns ``x @ (sqrt(D) H)`` with ``H`` the normalized Sylvester matrix (its
 callers scale by ``1 / sqrt(D)``): ``sqrt(D) H_D`` is made from indices (entries 0 and +-1, exact

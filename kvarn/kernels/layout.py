@@ -1,7 +1,7 @@
 """Where the kernels may run, and strided views of tile fields.
 
 A record buffer ``uint8 [..., record_bytes]`` (spec section 4) can be seen as a :class:`TileFields`
-of strided views without copying (:func:`kvarn.record.record_field_views`, re-exported here as
+of strided views without copying (:func:`kvarn.codec.record.record_field_views`, re-exported here as
 ``record_fields_view``). Kernels read and write such views in place, so a cache can keep one
 preallocated record buffer and flush into it directly.
 """
@@ -13,10 +13,10 @@ import os
 import torch
 import triton
 
+from ..codec.record import FIELD_ORDER, TileFields
+from ..codec.record import record_field_views as record_fields_view
+from ..codec.record import record_layout
 from ..config import KVarNConfig
-from ..record import FIELD_ORDER, TileFields
-from ..record import record_field_views as record_fields_view
-from ..record import record_layout
 
 
 def interpreting() -> bool:
@@ -90,5 +90,5 @@ def _empty_kernel():
 
 def launch_empty() -> None:
     """One empty one-warp program on the current stream: a launch that does nothing but take its
-    place in the stream's order (:func:`kvarn.integrations.freeze_schedule.lead_in`)."""
+    place in the stream's order (:func:`kvarn.integrations.transformers.freeze_schedule.lead_in`)."""
     _empty_kernel[(1,)](num_warps=1)

@@ -3,6 +3,9 @@
 Real-looking synthetic KV: channel outliers and token-scale spread.
 """
 
+import itertools
+
+import pytest
 import torch
 
 from kvarn.codec import encode_tiles, kv_to_tiles, rotate_kv
@@ -45,3 +48,18 @@ def rel_err(x, ref):
 
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+def full_sweep(*axes):
+    """pytest params over the product of ``axes`` (lists of values; a tuple value spreads over
+    several arguments). The fast tier keeps the diagonal, case i taking value i of every axis, for
+    as many cases as the shortest axis has values (so every value of that axis runs once at full
+    size); the other cases are marked ``slow``."""
+    n = min(len(a) for a in axes)
+    fast = {(i,) * len(axes) for i in range(n)}
+    params = []
+    for index in itertools.product(*(range(len(a)) for a in axes)):
+        values = [a[i] for a, i in zip(axes, index)]
+        flat = [x for v in values for x in (v if isinstance(v, tuple) else (v,))]
+        params.append(pytest.param(*flat, marks=() if index in fast else pytest.mark.slow))
+    return params

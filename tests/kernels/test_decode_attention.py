@@ -1,7 +1,8 @@
 """Triton ``decode_attention`` against the torch reference (kvarn.attention.decode_attention).
 
-Tolerance (STYLE.md): ``err(kernel) <= 2 * err(torch in fp16) + atol`` with errors measured
-against the fp32 torch reference over the same stored history.
+Tolerance: a kernel errs at most twice as much as its torch twin in the same dtype, plus an
+absolute floor, ``err(kernel) <= 2 * err(torch in fp16) + atol``, with errors measured against the
+fp32 torch reference over the same stored history.
 """
 
 import pytest
@@ -11,8 +12,7 @@ from kvarn.attention import decode_attention as torch_decode
 from kvarn.codec import rotate_kv
 from kvarn.config import KVarNConfig
 
-from kernel_data import SMALL_DECODE_CASES, history, rel_err
-from kernel_data import HAS_CUDA
+from kernel_data import HAS_CUDA, SMALL_DECODE_CASES, full_sweep, history, rel_err
 
 kernels = pytest.importorskip("kvarn.kernels", reason="triton is not importable")
 ATOL = 1e-4
@@ -84,10 +84,11 @@ def test_decode_errors(kdevice):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["k2v2_g128", "k4v2_g128", "k4v4_g64"])
-@pytest.mark.parametrize("d,hq,hk", [(128, 32, 8), (64, 32, 8), (256, 16, 4)])
-@pytest.mark.parametrize("b,n_tiles,tq,tail", [(2, 32, 4, None), (1, 100, 1, 1), (1, 300, 1, 5), (8, 3, 1, 0),
-                                                (2, 5, 8, 8)])
+@pytest.mark.parametrize("name,d,hq,hk,b,n_tiles,tq,tail", full_sweep(
+    ["k2v2_g128", "k4v2_g128", "k4v4_g64"],
+    [(128, 32, 8), (64, 32, 8), (256, 16, 4)],
+    [(2, 32, 4, None), (1, 100, 1, 1), (1, 300, 1, 5), (8, 3, 1, 0), (2, 5, 8, 8)],
+))
 def test_decode_full(name, d, hq, hk, b, n_tiles, tq, tail):
     """Full size on the GPU; tail None = G - 1 tokens, 0 = no tail (Tq = 1). B 1 with 300 tiles plans
     MAX_SPLITS splits: both levels of the merge tree take several steps."""
@@ -103,7 +104,7 @@ def test_decode_full(name, d, hq, hk, b, n_tiles, tq, tail):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["k2v2_g128", "k4v2_g64"])
+@pytest.mark.parametrize("name", ["k2v2_g128", pytest.param("k4v2_g64", marks=pytest.mark.slow)])
 def test_decode_full_model_frame_bf16(name):
     """The transformers path: bf16 query, sink and tail in the model frame, ragged lengths."""
     cfg = KVarNConfig.from_name(name)

@@ -11,14 +11,13 @@ K tiles at D 64, each 1 fp32 ulp of the score above the best).
 import pytest
 import torch
 
-from kvarn.codec import _encode_one, encode_tiles as torch_encode
+from kvarn.codec import encode_tile_fields, encode_tiles as torch_encode
 from kvarn.config import KVarNConfig
-from kvarn.normalize import _apply, normalize_iterates
-from kvarn.pack import unpack_codes
-from kvarn.record import FIELD_ORDER, TileFields, fields_to_records
+from kvarn.codec.normalize import apply_scales, normalize_iterates
+from kvarn.codec.pack import unpack_codes
+from kvarn.codec.record import FIELD_ORDER, TileFields, fields_to_records
 
-from kernel_data import rotated_tiles, synthetic_kv
-from kernel_data import HAS_CUDA
+from kernel_data import HAS_CUDA, full_sweep, rotated_tiles, synthetic_kv
 
 kernels = pytest.importorskip("kvarn.kernels", reason="triton is not importable")
 
@@ -57,8 +56,8 @@ def tie_adjusted(out, ref, k_tiles, v_tiles, config):
         gap = (score.gather(1, pick[:, None])[:, 0] - score.amin(-1)) / score.amin(-1)
         assert (gap <= SCORE_TIE).all(), f"{side}: the kernel kept an iterate {gap.max():.2e} worse than the best"
         ca, cb = at(a), at(b)
-        y = _apply(xs, ca, cb)
-        codes, scale, zero, colf = _encode_one(xs, bits, config.sinkhorn_iters, quantile,
+        y = apply_scales(xs, ca, cb)
+        codes, scale, zero, colf = encode_tile_fields(xs, bits, config.sinkhorn_iters, quantile,
                                                normalized=(y, torch.exp(ca), torch.exp(cb)))
         for name, val in ((f"{side}_codes", codes), (f"{side}_row_scale", scale), (f"{side}_row_zero", zero),
                           (col, colf)):
@@ -134,8 +133,7 @@ def test_encode_rotates_model_frame_tiles(bits, dtype, kdevice):
     assert not torch.equal(unrotated.k_codes, out.k_codes)
 
 
-@pytest.mark.parametrize("name", ["k2v2_g128", "k4v2_g128"])
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("name,d", full_sweep(["k2v2_g128", "k4v2_g128"], [128, 256]))
 def test_encode_rotates_full_size_tiles(name, d, kdevice):
     """The flush's form at a real tile size (G 128, D 128 / 256: both factors of the in-kernel
     rotation, 16K-32K values a program), also under the interpreter: 16 tiles of K and of V."""
@@ -289,8 +287,7 @@ def test_encode_errors(kdevice, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["k2v2_g128", "k4v2_g128", "k4v4_g128", "k4v2_g64"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("name,d", full_sweep(["k2v2_g128", "k4v2_g128", "k4v4_g128", "k4v2_g64"], [64, 128, 256]))
 def test_encode_full(name, d):
     cfg = KVarNConfig.from_name(name)
     k, v = synthetic_kv(4, 8, 4 * cfg.tile, d, "cuda", seed=d)
@@ -311,8 +308,12 @@ def test_encode_full(name, d):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-@pytest.mark.parametrize("opts", [dict(num_warps=4), dict(num_warps=8, max_registers=128), dict(num_warps=8),
-                                  dict(programs="beside")])
+@pytest.mark.parametrize("opts", [
+    pytest.param(dict(num_warps=4), marks=pytest.mark.slow),
+    pytest.param(dict(num_warps=8, max_registers=128), marks=pytest.mark.slow),
+    pytest.param(dict(num_warps=8), marks=pytest.mark.slow),
+    dict(programs="beside"),  # the cache's own cap beside the decode step
+])
 def test_encode_launch_options_keep_the_tolerance(opts):
     """The launch knobs (the defaults pick them by launch size, see ``_launch_options``) change the
     reduction order, not the encoding: every form stays within the twin's tolerance, here on a
@@ -320,7 +321,7 @@ def test_encode_launch_options_keep_the_tolerance(opts):
     batches) in the flush's form (fp16 model-frame tiles rotated by the kernel); and the capped grid
     of the encodes beside the decode step (the cache's own cap, a quarter of the SMs for K and for V)."""
     if opts.get("programs") == "beside":
-        from kvarn.integrations.freeze_schedule import beside_programs
+        from kvarn.integrations.transformers.freeze_schedule import beside_programs
 
         opts = dict(programs=beside_programs(torch.device("cuda")))
     cfg = KVarNConfig.from_name("k4v2_g128")
@@ -335,14 +336,14 @@ def test_encode_launch_options_keep_the_tolerance(opts):
 
 def test_encode_per_tile_normalization_matches_the_flavour_codec(kdevice):
     """kvarn-auto: normalization off for some tiles' K or V, the torch twin with T = 0 there."""
-    from kvarn.flavour import Flavours, encode_flavoured
+    from kvarn.codec.flavour import Flavours, encode_flavoured
 
     cfg = KVarNConfig(key_bits=2, value_bits=2, tile=64, sinkhorn_iters=4)
     k, v = synthetic_kv(1, 4, 128, 64, kdevice, seed=5)  # [1, 4, 128, 64]: two tiles per head
     fl = Flavours(torch.tensor([[True, False, True, False]]), torch.tensor([[True, True, False, False]]),
                   torch.tensor([[False, True, True, False]]), torch.tensor([[False, True, False, True]]))
     fl = fl.map(lambda x: x.to(kdevice))
-    from kvarn.integrations.hf_attention import TritonTileCodec
+    from kvarn.integrations.transformers.attention import TritonTileCodec
 
     codec = TritonTileCodec("kvarn-auto", cfg)
     assert codec.config.quantiles == (0.03, 0.03)  # kvarn-auto's 2-bit ranges, through the flags' path too

@@ -1,11 +1,11 @@
 """The kernels' in-register Hadamard rotation (kvarn.kernels.hadamard) against the torch matrix
-(kvarn.hadamard): ``x @ (sqrt(D) H)`` to fp32 rounding, in the forms the decode kernel and the
+(kvarn.codec.hadamard): ``x @ (sqrt(D) H)`` to fp32 rounding, in the forms the decode kernel and the
 encoder use it."""
 
 import pytest
 import torch
 
-from kvarn.hadamard import hadamard_matrix
+from kvarn.codec.hadamard import hadamard_matrix
 
 pytest.importorskip("kvarn.kernels", reason="triton is not importable")
 

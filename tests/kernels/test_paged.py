@@ -10,9 +10,9 @@ import torch
 
 from kvarn import PRESETS
 from kvarn import paged as twin
-from kvarn.hadamard import rotate
+from kvarn.codec.hadamard import rotate
 from kvarn.codec import decode_tiles
-from kvarn.record import record_field_views, store_records
+from kvarn.codec.record import record_field_views, store_records
 
 kernels = pytest.importorskip("kvarn.kernels")
 from kvarn.kernels.decode import paged_decode_attention  # noqa: E402

@@ -4,8 +4,8 @@ token rows into paged records, and the paged decode attention of the step's deco
 - ``"triton"`` (CUDA): :func:`kvarn.kernels.encode.encode_into_pages` and
   :func:`kvarn.kernels.decode.paged_decode_attention`, one launch each, indices read on the device.
 - ``"torch"``: their twins in :mod:`kvarn.paged` (any device).
-- ``"numba"`` (CPU): the numba tile encoder (:mod:`kvarn.cpu_kernels`, the codec's bits) and the
-  CPU decode attention that never dequantizes a record (:func:`kvarn.folded.folded_decode_attention`).
+- ``"numba"`` (CPU): the numba tile encoder (:mod:`kvarn.cpu.encoder`, the codec's bits) and the
+  CPU decode attention that never dequantizes a record (:func:`kvarn.cpu.decode.folded_decode_attention`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from ...config import KVarNConfig
-from ...hadamard import rotate as rotate_rows
-from ...record import record_field_views, store_records
+from ...codec.hadamard import rotate as rotate_rows
+from ...codec.record import record_field_views, store_records
 
 # Tiles per numba encode call: bounded buffers (a prefill commits up to max_num_batched_tokens / G).
 CPU_COMMIT_TILES = 256
@@ -38,7 +38,7 @@ def commit_tiles(rows_k: torch.Tensor, rows_v: torch.Tensor, src: torch.Tensor |
 
         encode_into_pages(rows_k, rows_v, src, pages, dst, cfg, rotate=rotate)
         return
-    from ...cpu_kernels import encode_tiles
+    from ...cpu.encoder import encode_tiles
 
     keep = dst >= 0
     src, dst = src[keep].long(), dst[keep].long()
@@ -73,7 +73,7 @@ def decode_rows(q, stage_k, stage_v, pages, md, out, cfg: KVarNConfig, scale: fl
                                        md.dec_tiles, cfg, scale, **kw)
             out.index_copy_(0, md.dec_tok, o.to(out.dtype))
         return
-    from ...folded import folded_decode_attention
+    from ...cpu.decode import folded_decode_attention
 
     fp_k = stage_k.index_select(0, md.dec_slot.long()).transpose(1, 2)  # [Rd, Hk, L, D]
     fp_v = stage_v.index_select(0, md.dec_slot.long()).transpose(1, 2)

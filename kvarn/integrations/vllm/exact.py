@@ -17,8 +17,8 @@ import torch
 
 from ...codec import decode_tiles
 from ...config import KVarNConfig
-from ...hadamard import rotate
-from ...record import record_field_views
+from ...codec.hadamard import rotate
+from ...codec.record import record_field_views
 from .plan import PrefillRow
 
 

