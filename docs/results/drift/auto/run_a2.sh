@@ -1,6 +1,6 @@
 #!/bin/sh
 # kvarn-auto with its default rule, a2 (with its 2-bit quantile ranges and 128 sampled queries), the
-# default since session 12. Same setup as run_study.sh (2048 tokens, 512-token exact prefill,
+# default. Same setup as run_study.sh (2048 tokens, 512-token exact prefill,
 # 128-token chunks, k2v2 and k4v2); the references (kivi, kvarn) are run_ranges.sh's. Run from the
 # repository root:
 #   sh docs/results/drift/auto/run_a2.sh [OUT] [MODEL...]

@@ -1,5 +1,5 @@
 #!/bin/sh
-# kvarn-auto with its 2-bit quantile ranges (kvarn.auto.auto_ranges), the default since session 11, and
+# kvarn-auto with its 2-bit quantile ranges (kvarn.auto.auto_ranges), the default, and
 # the ranges ablation: kivi and kvarn with the spec's min/max ranges and with kvarn-auto's (key
 # suffix +q). Same setup as run_study.sh (2048 tokens, 512-token exact prefill, 128-token chunks,
 # k2v2 and k4v2). Run from the repository root:

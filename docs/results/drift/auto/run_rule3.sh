@@ -1,5 +1,5 @@
 #!/bin/sh
-# kvarn-auto rule r3 (the self-test on the prompt, kvarn/selftest.py) on the study's 2 models x 3 texts,
+# kvarn-auto rule r3 (the self-test on the prompt, kvarn/auto/self_test_rule.py) on the study's 2 models x 3 texts,
 # same setup as run_study.sh (2048 tokens, 512-token exact prefill, 128-token chunks, k2v2 and k4v2).
 # Only r3 runs here; the baselines and rules a2/a3 are run_study.sh's. Run from the repository root:
 #   sh docs/results/drift/auto/run_rule3.sh [OUT] [MODEL...]
