@@ -208,6 +208,16 @@ def _decode_attention_kernel(
                     store_output(o_ptr, o_sb, o_sh, o_st, b64, l_t, acc, row_ok, qi, qh, D)
 
 
+def _merge_buffers(pairs: int, ns: int, m: int, d: int, device):
+    """The splits' partial results (``acc``, ``m`` and ``l`` of each (pair, split) and of each merge
+    group) and the merge tree's counters, for ``pairs`` (sequence, KV head) pairs of ``ns`` splits."""
+    groups = -(-ns // MERGE_GROUP.value)
+    f32 = dict(dtype=torch.float32, device=device)
+    return (torch.empty(pairs * ns * m * d, **f32), torch.empty(pairs * ns * m * 2, **f32),
+            torch.empty(pairs * groups * m * d, **f32), torch.empty(pairs * groups * m * 2, **f32),
+            merge_counters(pairs * (1 + groups), device))
+
+
 def _lengths(x, placeholder, device):
     """Per-sequence lengths as int32 on the device; ``placeholder`` (never read) when None."""
     return placeholder if x is None else x.to(device=device, dtype=torch.int32)
@@ -310,12 +320,7 @@ def decode_attention(
         return torch.zeros_like(query)
 
     out = torch.empty_like(query)
-    pacc = torch.empty(b * hk * ns * m * d, dtype=torch.float32, device=dev)
-    pml = torch.empty(b * hk * ns * m * 2, dtype=torch.float32, device=dev)
-    groups = -(-ns // MERGE_GROUP.value)
-    gacc = torch.empty(b * hk * groups * m * d, dtype=torch.float32, device=dev)
-    gml = torch.empty(b * hk * groups * m * 2, dtype=torch.float32, device=dev)
-    counts = merge_counters(b * hk * (1 + groups), dev)
+    pacc, pml, gacc, gml, counts = _merge_buffers(b * hk, ns, m, d, dev)
     flags = krot if krot is not None else counts
     opts = {} if interpreting() or regs is None else {"maxnreg": int(regs)}
     _decode_attention_kernel[(b * hk, ns)](
@@ -402,12 +407,7 @@ def paged_decode_attention(
     per_split = -(-max_tiles // splits) if splits else 1
     splits = -(-max_tiles // per_split) if splits else 0
     ns = splits + fps
-    pacc = torch.empty(r * hk * ns * m * d, dtype=torch.float32, device=dev)
-    pml = torch.empty(r * hk * ns * m * 2, dtype=torch.float32, device=dev)
-    groups = -(-ns // MERGE_GROUP.value)
-    gacc = torch.empty(r * hk * groups * m * d, dtype=torch.float32, device=dev)
-    gml = torch.empty(r * hk * groups * m * 2, dtype=torch.float32, device=dev)
-    counts = merge_counters(r * hk * (1 + groups), dev)
+    pacc, pml, gacc, gml, counts = _merge_buffers(r * hk, ns, m, d, dev)
     opts = {} if interpreting() or regs is None else {"maxnreg": int(regs)}
     _decode_attention_kernel[(r * hk, ns)](
         query, query.stride(0), query.stride(1), 0,
