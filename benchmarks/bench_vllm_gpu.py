@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -156,10 +157,10 @@ def main() -> None:
 
     sizes = dict(SCENARIOS)
     for item in args.sizes:
-        name, v = item.split("=")
-        n, rest = v.split("x")
-        plen, new = rest.split("+")
-        sizes[name] = (int(n), int(plen), int(new), sizes[name][3])
+        m = re.fullmatch(r"(\w+)=(\d+)x(\d+)\+(\d+)", item)
+        if m is None or m.group(1) not in SCENARIOS:
+            ap.error(f"--sizes {item!r}: expected SCENARIO=REQUESTSxPROMPT+NEW with SCENARIO in {list(SCENARIOS)}")
+        sizes[m.group(1)] = (int(m.group(2)), int(m.group(3)), int(m.group(4)), sizes[m.group(1)][3])
     folder = Path(tempfile.mkdtemp(prefix="llama8b_"))
     (folder / "config.json").write_text(json.dumps(LLAMA_8B))
     backends = ["default"] + [f"kvarn:{p}" for p in args.presets]
