@@ -6,7 +6,6 @@ of tokens 0.116 vs 0.175. At 4 bits: max 0.037 vs 0.076. The margins below leave
 shorter 512-token excerpt used here.
 """
 
-import pytest
 import torch
 
 from kvarn import KVarNConfig, dequantize_kv, quantize_kv

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.cache_utils import DynamicSlidingWindowLayer  # noqa: E402
 
 from kvarn.cache import KVarNCache  # noqa: E402
