@@ -127,9 +127,13 @@ class KVarNAttentionImpl(AttentionImpl):
                                      device=kv_cache.device)
             self._cache_ptr = kv_cache.data_ptr()
             if kv_cache.is_cuda:  # the decode launches' merge counters, before any graph captures them
-                from ...kernels.decode_plan import merge_counters
+                from ...kernels.decode_plan import BLOCK_N, MAX_SPLITS, MERGE_GROUP, merge_counters
 
-                merge_counters((self.slots + 1) * self.num_kv_heads * 40, kv_cache.device)
+                # Per (row, KV head): one counter per merge group of the most splits a launch plans
+                # (tile splits, and one fp split per 32-token block of a slot at most), and one more.
+                splits = MAX_SPLITS + -(-length // BLOCK_N.value)
+                groups = -(-splits // MERGE_GROUP.value)
+                merge_counters((self.slots + 1) * self.num_kv_heads * (1 + groups), kv_cache.device)
             # Per layer, so debug: the worker logs the reserve of all layers once (:mod:`.hooks`).
             logger.debug("kvarn staging: %d request slots, %.1f MiB per layer (inside the KV budget)",
                         self.slots, self.kvarn_staging_bytes(dtype) / 2**20)
