@@ -97,3 +97,48 @@ def test_ngram_speculative_decoding_gives_the_same_tokens(model):
                                                            "prompt_lookup_max": 4, "prompt_lookup_min": 2}},
                 requests=6, prompt=300, new=96, seed=3, repeat=True)
     assert [o["tokens"] for o in spec] == [o["tokens"] for o in plain]
+
+
+def test_continuing_chunks_by_flash_attention_match_the_float32_reference():
+    """The CUDA path of continuing prefill chunks (history gathered in bf16, one FlashAttention varlen
+    call) against the CPU path (float32 buffers, masked SDPA per chunk) on the same cache state."""
+    import numpy as np
+
+    from kvarn.config import PRESETS
+    from kvarn.integrations.vllm import exact
+    from kvarn.integrations.vllm.plan import PrefillRow, continued_batch
+    from kvarn.integrations.vllm.staging import slot_tokens
+    from kvarn.paged import encode_into_pages
+
+    cfg, hq, hk, d = PRESETS["k4v2_g128"], 8, 2, 128
+    s, g, length = cfg.sink_tokens, cfg.tile, slot_tokens(cfg, 0)
+    gen = torch.Generator().manual_seed(0)
+    flat_k = torch.randn(3 * length, hk, d, generator=gen).bfloat16()  # slots 0, 1 and the trash slot
+    flat_v = torch.randn(3 * length, hk, d, generator=gen).bfloat16()
+    pages = torch.zeros(8, hk, cfg.record_bytes(d), dtype=torch.uint8)
+    tiles_k, tiles_v = torch.randn(2 * g, hk, d, generator=gen), torch.randn(2 * g, hk, d, generator=gen)
+    encode_into_pages(tiles_k, tiles_v, torch.tensor([0, g], dtype=torch.int32), pages,
+                      torch.tensor([3, 5], dtype=torch.int32), cfg)
+    rows = [PrefillRow(0, 0, 50, 400, 0, 384, np.array([3, 5], dtype=np.int32)),  # sink, 2 records, 16 tail rows
+            PrefillRow(1, 50, 60, 100, 1, 128, np.zeros(0, dtype=np.int32))]  # inside the sink
+    batch = continued_batch(rows, length, s, g)
+    q, k, v = (torch.randn(110, h, d, generator=gen).bfloat16() for h in (hq, hk, hk))
+
+    def on(device):
+        i64 = (lambda x: torch.from_numpy(x).to(device))
+        i32 = (lambda x: torch.from_numpy(x.astype(np.int32)).to(device))
+        co = exact.ContinuedRows(
+            q_tok=i64(batch.q_tok), cu_q=i32(batch.cu_q), cu_k=i32(batch.cu_k), max_q=batch.max_q, max_k=batch.max_k,
+            stage_src=i64(batch.stage_src), stage_dst=i64(batch.stage_dst), rec_pages=i64(batch.rec_pages),
+            rec_dst=i64(batch.rec_dst), chunk_dst=i64(batch.chunk_dst), bounds_q=batch.cu_q.tolist(),
+            bounds_k=batch.cu_k.tolist())
+        out = torch.zeros(110, hq, d, dtype=torch.bfloat16, device=device)
+        fa = exact.flash_attention_version(d) if device == "cuda" else None
+        exact.continued(q.to(device), k.to(device), v.to(device), co, flat_k.to(device), flat_v.to(device),
+                        pages.to(device), cfg, out, d ** -0.5, fa)
+        return out.float().cpu()
+
+    got, ref = on("cuda"), on("cpu")
+    err = (got - ref).abs().max().item()
+    print(json.dumps({"max_abs_err": err, "ref_abs_max": ref.abs().max().item()}))
+    assert err < 2e-2 and ref.abs().max() > 0.1

@@ -82,8 +82,8 @@ def test_prompt_then_decode_commits_each_tile_once_from_accepted_tokens():
     plan = step([("r0", 0, 300)])  # a 300-token prompt in one chunk
     b = step.base("r0")
     assert not plan.uniform and len(plan.prefill) == 1 and plan.prefill[0].ctx == 0
-    assert plan.write_rows[:256].tolist() == list(range(b, b + 256))  # sink, then tile 1 in the tail rows
-    assert set(plan.write_rows[256:].tolist()) == {step.pool.trash * step.length}  # staged after the commit
+    assert plan.write_rows.tolist() == list(range(b, b + 256))  # sink, then tile 1 in the tail rows
+    assert plan.write_tok.tolist() == list(range(256))  # the rest is staged after the commit
     assert plan.post_src.tolist() == [b + S] and plan.post_dst.tolist() == [101]  # tile 1 from the tail rows
     assert plan.post_step_src.size == 0  # no other tile completed
     assert plan.late_tok.tolist() == list(range(256, 300)) and plan.late_rows.tolist() == list(range(b + S, b + S + 44))
@@ -119,12 +119,34 @@ def test_continuing_chunk_reads_its_history_and_commits_what_it_completes():
     row = plan.prefill[0]
     assert (row.ctx, row.tail_base, row.tiles.tolist()) == (200, 128, [])
     b = step.base("r0")
-    assert plan.write_rows[:56].tolist() == list(range(b + S + 72, b + S + 128))  # the rest of tile 1
+    assert plan.write_rows.tolist() == list(range(b + S + 72, b + S + 128))  # the rest of tile 1
+    assert plan.write_tok.tolist() == list(range(56))
     assert plan.post_src.tolist() == [b + S] and plan.post_dst.tolist() == [101]
     assert plan.post_step_src.tolist() == [56] and plan.post_step_dst.tolist() == [102]  # tile 2 from the step
     assert plan.late_tok.tolist() == list(range(184, 200))  # positions 384..399
     plan = step([("r0", 400, 300)])
     assert plan.prefill[0].tiles.tolist() == [101, 102]
+
+
+def test_continuing_chunks_are_gathered_history_then_chunk_row_after_row():
+    step = _Step()
+    step([("r0", 0, 400)])  # records for tiles 1, 2; positions 384..399 in the tail rows
+    step([("r1", 0, 100)])  # inside the sink
+    plan = step([("r0", 400, 50), ("r1", 100, 60), ("r2", 0, 30)])
+    assert plan.fresh.tok.tolist() == list(range(110, 140)) and plan.fresh.contiguous
+    co = plan.continued
+    b0, b1 = step.base("r0"), step.base("r1")
+    assert co.cu_q.tolist() == [0, 50, 110] and co.cu_k.tolist() == [0, 450, 610] and (co.max_q, co.max_k) == (60, 450)
+    assert co.q_tok.tolist() == list(range(110))
+    # r0: sink rows -> 0..127, records -> 128..383, tail rows -> 384..399, chunk -> 400..449
+    # r1: 100 sink rows -> 450..549, chunk -> 550..609
+    assert co.stage_src.tolist() == [*range(b0, b0 + S), *range(b0 + S, b0 + S + 16), *range(b1, b1 + 100)]
+    assert co.stage_dst.tolist() == [*range(128), *range(384, 400), *range(450, 550)]
+    assert co.rec_pages.tolist() == [101, 102] and co.rec_dst.tolist() == list(range(128, 384))
+    assert co.chunk_dst.tolist() == [*range(400, 450), *range(550, 610)]
+    # every buffer position is written once
+    written = np.concatenate([co.stage_dst, co.rec_dst, co.chunk_dst])
+    assert sorted(written.tolist()) == list(range(610))
 
 
 def test_draft_tokens_are_committed_only_once_accepted_and_moved():
@@ -194,3 +216,46 @@ def test_settings_size_the_pool_and_the_draft_rows():
     cfg.speculative_config, cfg.scheduler_config = _Spec(2), _Sched(async_scheduling=True)
     with pytest.raises(ValueError, match="no-async-scheduling"):
         s.spec_tokens(cfg)
+
+
+def test_continuing_chunks_attend_over_sink_records_tail_and_themselves():
+    """exact.continued (CPU, float32) against attention over each row's history built by hand."""
+    from kvarn.codec import decode_tiles
+    from kvarn.codec.hadamard import rotate
+    from kvarn.codec.record import record_field_views
+    from kvarn.integrations.vllm import exact
+    from kvarn.integrations.vllm.plan import PrefillRow, continued_batch
+    from kvarn.paged import encode_into_pages
+
+    hq, length = 2 * HK, slot_tokens(CFG, 0)
+    gen = torch.Generator().manual_seed(0)
+    flat_k, flat_v = torch.randn(3 * length, HK, D, generator=gen), torch.randn(3 * length, HK, D, generator=gen)
+    pages = torch.zeros(8, HK, CFG.record_bytes(D), dtype=torch.uint8)
+    encode_into_pages(torch.randn(2 * G, HK, D, generator=gen), torch.randn(2 * G, HK, D, generator=gen),
+                      torch.tensor([0, G], dtype=torch.int32), pages, torch.tensor([3, 5], dtype=torch.int32), CFG)
+    rows = [PrefillRow(0, 0, 50, 400, 1, 384, np.array([5, 3], dtype=np.int32)),
+            PrefillRow(1, 50, 60, 100, 0, 128, np.zeros(0, dtype=np.int32))]
+    b = continued_batch(rows, length, S, G)
+    t = torch.from_numpy
+    co = exact.ContinuedRows(t(b.q_tok), t(b.cu_q), t(b.cu_k), b.max_q, b.max_k, t(b.stage_src), t(b.stage_dst),
+                             t(b.rec_pages), t(b.rec_dst), t(b.chunk_dst), b.cu_q.tolist(), b.cu_k.tolist())
+    q, k, v = (torch.randn(110, h, D, generator=gen) for h in (hq, HK, HK))
+    out = torch.zeros(110, hq, D)
+    exact.continued(q, k, v, co, flat_k, flat_v, pages, CFG, out, D ** -0.5)
+
+    def record(page):  # [G, Hk, D] keys and values of one record
+        kt, vt = decode_tiles(record_field_views(pages[page], CFG, D), CFG)  # [Hk, D, G], [Hk, G, D]
+        return kt.permute(2, 0, 1), vt.transpose(0, 1)
+
+    for r in rows:
+        base, hist = r.slot * length, []
+        for kv, flat in ((0, flat_k), (1, flat_v)):
+            parts = [flat[base:base + min(r.ctx, S)]] + [record(p)[kv] for p in r.tiles.tolist()]
+            parts.append(flat[base + S:base + S + max(r.ctx - r.tail_base, 0)])
+            x = rotate(k if kv == 0 else v)[r.t0:r.t0 + r.n]
+            hist.append(torch.cat(parts + [x]).transpose(0, 1).repeat_interleave(hq // HK, 0))  # [Hq, L, D]
+        qr = rotate(q[r.t0:r.t0 + r.n]).transpose(0, 1)
+        mask = torch.arange(r.ctx + r.n)[None, :] <= torch.arange(r.ctx, r.ctx + r.n)[:, None]
+        scores = (qr @ hist[0].transpose(1, 2)) * D ** -0.5
+        want = rotate((scores.masked_fill(~mask, float("-inf")).softmax(-1) @ hist[1]).transpose(0, 1))
+        torch.testing.assert_close(out[r.t0:r.t0 + r.n], want, atol=1e-4, rtol=1e-4)

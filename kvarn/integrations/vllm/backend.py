@@ -38,6 +38,7 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ...config import PRESETS, KVarNConfig, supported_head_dims
+from . import exact
 from .hooks import install_hooks
 from .impl import KVarNAttentionImpl
 from .plan import PrefillRow, StepPlan, build_plan, padding_plan
@@ -67,6 +68,7 @@ class KVarNMetadata:
     move_src: torch.Tensor | None  # int64
     move_dst: torch.Tensor | None
     write_rows: torch.Tensor  # int64
+    write_tok: torch.Tensor | None  # int64; None when the rows are the step's tokens in order
     dec_rows: int
     dec_tok: torch.Tensor | None  # int64; None when the rows are the step's tokens in order
     dec_req: torch.Tensor | None  # int64
@@ -76,6 +78,8 @@ class KVarNMetadata:
     dec_tiles: torch.Tensor
     block_table: torch.Tensor  # vLLM's [rows, W]
     prefill: list[PrefillRow]
+    fresh: "exact.FreshRows | None" = None
+    continued: "exact.ContinuedRows | None" = None
     post_src: torch.Tensor | None = None
     post_dst: torch.Tensor | None = None
     post_step_src: torch.Tensor | None = None
@@ -161,8 +165,19 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata | WindowMetada
         t = torch.from_numpy(np.ascontiguousarray(x))
         return t if self.device.type == "cpu" else t.pin_memory()
 
-    def _h2d(self, x: np.ndarray) -> torch.Tensor:
-        return self._host(x).to(self.device, non_blocking=True)
+    def _upload(self, arrays: dict[str, np.ndarray | None], dtype) -> dict[str, torch.Tensor | None]:
+        """The arrays on the device, in one host-to-device copy (views of one buffer); None or
+        empty ones stay None."""
+        live = {k: np.asarray(a).reshape(-1) for k, a in arrays.items() if a is not None and np.size(a)}
+        out: dict[str, torch.Tensor | None] = {k: None for k in arrays}
+        if not live:
+            return out
+        flat = self._host(np.concatenate(list(live.values())).astype(dtype)).to(self.device, non_blocking=True)
+        offset = 0
+        for k, a in live.items():
+            out[k] = flat[offset:offset + a.size]
+            offset += a.size
+        return out
 
     def _to_device(self, plan: StepPlan, cam: CommonAttentionMetadata, bt: np.ndarray | None) -> KVarNMetadata:
         n = plan.dec_slot.shape[0]
@@ -176,27 +191,53 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata | WindowMetada
             parts = meta.view(6, -1)
             return KVarNMetadata(
                 num_tokens=plan.num_tokens, uniform=True, commit_src=parts[0], commit_dst=parts[1],
-                move_src=None, move_dst=None, write_rows=write, dec_rows=n, dec_tok=None, dec_req=None,
+                move_src=None, move_dst=None, write_rows=write, write_tok=None, dec_rows=n, dec_tok=None, dec_req=None,
                 dec_slot=parts[2], dec_sink=parts[3], dec_tail=parts[4], dec_tiles=parts[5],
                 block_table=cam.block_table_tensor, prefill=[])
-        h = self._h2d
-        opt = (lambda x: h(x) if x is not None and x.size else None)
+        # Eager steps: every index array of the step in two copies (int32 for the kernels and
+        # FlashAttention's boundaries, int64 for torch's index ops).
+        fr, co = plan.fresh, plan.continued
+        i32 = self._upload({
+            "commit_src": plan.commit_src, "commit_dst": plan.commit_dst, "dec_slot": plan.dec_slot,
+            "dec_sink": plan.dec_sink, "dec_tail": plan.dec_tail, "dec_tiles": plan.dec_tiles,
+            "post_src": plan.post_src, "post_dst": plan.post_dst, "post_step_src": plan.post_step_src,
+            "post_step_dst": plan.post_step_dst, "fresh_cu": fr.cu if fr else None,
+            "cu_q": co.cu_q if co else None, "cu_k": co.cu_k if co else None}, np.int32)
+        i64 = self._upload({
+            "move_src": plan.move_src, "move_dst": plan.move_dst, "write_rows": plan.write_rows,
+            "write_tok": plan.write_tok, "dec_tok": plan.dec_tok, "dec_req": plan.dec_req,
+            "late_tok": plan.late_tok, "late_rows": plan.late_rows,
+            "fresh_tok": fr.tok if fr and not fr.contiguous else None,
+            **({f"co_{k}": getattr(co, k) for k in ("q_tok", "stage_src", "stage_dst", "rec_pages", "rec_dst",
+                                                     "chunk_dst")} if co else {})}, np.int64)
+        empty32 = torch.zeros(0, dtype=torch.int32, device=self.device)
         md = KVarNMetadata(
-            num_tokens=plan.num_tokens, uniform=False, commit_src=h(plan.commit_src), commit_dst=h(plan.commit_dst),
-            move_src=opt(plan.move_src), move_dst=opt(plan.move_dst), write_rows=h(plan.write_rows), dec_rows=n,
-            dec_tok=h(plan.dec_tok), dec_req=h(plan.dec_req), dec_slot=h(plan.dec_slot), dec_sink=h(plan.dec_sink),
-            dec_tail=h(plan.dec_tail), dec_tiles=h(plan.dec_tiles), block_table=cam.block_table_tensor,
-            prefill=plan.prefill, post_src=opt(plan.post_src), post_dst=opt(plan.post_dst),
-            post_step_src=opt(plan.post_step_src), post_step_dst=opt(plan.post_step_dst),
-            late_tok=opt(plan.late_tok), late_rows=opt(plan.late_rows))
-        for row in plan.prefill:  # a continuing chunk reads its records: one copy a step, not one a layer
-            if row.ctx and row.tiles.size:
-                row.tiles_on_device = h(row.tiles.astype(np.int64))
+            num_tokens=plan.num_tokens, uniform=False,
+            commit_src=_or(i32["commit_src"], empty32), commit_dst=_or(i32["commit_dst"], empty32),
+            move_src=i64["move_src"], move_dst=i64["move_dst"], write_rows=i64["write_rows"],
+            write_tok=i64["write_tok"], dec_rows=n, dec_tok=i64["dec_tok"], dec_req=i64["dec_req"],
+            dec_slot=i32["dec_slot"], dec_sink=i32["dec_sink"], dec_tail=i32["dec_tail"], dec_tiles=i32["dec_tiles"],
+            block_table=cam.block_table_tensor, prefill=plan.prefill, post_src=i32["post_src"],
+            post_dst=i32["post_dst"], post_step_src=i32["post_step_src"], post_step_dst=i32["post_step_dst"],
+            late_tok=i64["late_tok"], late_rows=i64["late_rows"])
+        if fr is not None:
+            tok = slice(int(fr.tok[0]), int(fr.tok[-1]) + 1) if fr.contiguous else i64["fresh_tok"]
+            md.fresh = exact.FreshRows(tok=tok, cu=i32["fresh_cu"], longest=fr.longest, bounds=fr.cu.tolist())
+        if co is not None:
+            md.continued = exact.ContinuedRows(
+                q_tok=i64["co_q_tok"], cu_q=i32["cu_q"], cu_k=i32["cu_k"], max_q=co.max_q, max_k=co.max_k,
+                stage_src=i64["co_stage_src"], stage_dst=i64["co_stage_dst"], rec_pages=i64["co_rec_pages"],
+                rec_dst=i64["co_rec_dst"], chunk_dst=i64["co_chunk_dst"], bounds_q=co.cu_q.tolist(),
+                bounds_k=co.cu_k.tolist())
         if self.device.type == "cpu" and n and bt is not None:
             md.dec_tile_list, md.dec_tile_row = _ragged_tiles(plan, bt, self.config)
         elif self.device.type == "cpu":
             md.dec_tile_list, md.dec_tile_row = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
         return md
+
+
+def _or(x: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
+    return default if x is None else x
 
 
 def _ragged_tiles(plan: StepPlan, bt: np.ndarray, cfg: KVarNConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,6 +69,7 @@ class KVarNAttentionImpl(AttentionImpl):
         self.stage: torch.Tensor | None = None  # [slots + 1, L, 2, Hk, D], rotated
         self._cache_ptr: int | None = None
         self._kernels = None  # resolved at the first step (the device is known then)
+        self._fa: tuple[int | None] | None = None  # FlashAttention's version, looked up once (CUDA)
         install_hooks(vllm_config)
 
     def kvarn_staging_bytes(self, dtype: torch.dtype) -> int:
@@ -100,6 +101,11 @@ class KVarNAttentionImpl(AttentionImpl):
                         x.device)
             self._kernels = mode
         return self._kernels
+
+    def _fa_version(self, x: torch.Tensor) -> int | None:
+        if self._fa is None:
+            self._fa = (exact.flash_attention_version(self.head_size) if x.is_cuda else None,)
+        return self._fa[0]
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None,
                 output_scale=None, output_block_scale=None):
@@ -158,16 +164,18 @@ class KVarNAttentionImpl(AttentionImpl):
             if md.move_src is not None:
                 flat.index_copy_(0, md.move_dst, flat.index_select(0, md.move_src))
         with record_function("kvarn.stage"):
-            self._stage_rows(md.write_rows, k[:t], v[:t])
+            if md.write_tok is None:
+                self._stage_rows(md.write_rows, k[:t], v[:t])
+            elif md.write_rows is not None:
+                self._stage_rows(md.write_rows, k.index_select(0, md.write_tok), v.index_select(0, md.write_tok))
         if md.dec_rows:
             with record_function("kvarn.decode"):
                 decode_rows(q, stage_k, stage_v, pages, md, out, cfg, self.scale, self.max_tiles, kernels)
         if md.prefill:
             with record_function("kvarn.prefill"):
-                exact.fresh(q, k, v, [r for r in md.prefill if r.ctx == 0], out, self.scale)
-                for r in md.prefill:
-                    if r.ctx:
-                        exact.continued(q, k, v, r, stage_k, stage_v, pages, cfg, out, self.scale)
+                fa = self._fa_version(q)
+                exact.fresh(q, k, v, md.fresh, out, self.scale, fa)
+                exact.continued(q, k, v, md.continued, rows_k, rows_v, pages, cfg, out, self.scale, fa)
             with record_function("kvarn.commit"):
                 commit_tiles(rows_k, rows_v, md.post_src, pages, md.post_dst, cfg, kernels, False)
                 commit_tiles(k, v, md.post_step_src, pages, md.post_step_dst, cfg, kernels, False, rotate=True)

@@ -42,7 +42,34 @@ class PrefillRow:
     slot: int
     tail_base: int  # after the step-start commit: the first position in the tail rows
     tiles: np.ndarray  # pages of its committed tiles (records), in order
-    tiles_on_device: object = None  # the same, on the cache's device (set by the builder, once a step)
+
+
+@dataclass
+class FreshBatch:
+    """Prefill chunks that start their requests, as one varlen attention call sees them."""
+
+    tok: np.ndarray  # int64 the chunks' step tokens, row after row
+    cu: np.ndarray  # int32 [R + 1] chunk boundaries in ``tok``
+    longest: int
+    contiguous: bool  # ``tok`` is one run of consecutive tokens (a slice of the step)
+
+
+@dataclass
+class ContinuedBatch:
+    """Prefill chunks that continue their requests, as one varlen attention call sees them: per
+    row a key buffer of ``ctx + n`` positions (the history as the cache holds it, then the chunk),
+    rows one after another, every index computed on the host."""
+
+    q_tok: np.ndarray  # int64 [Nq] the chunks' step tokens, row after row
+    cu_q: np.ndarray  # int32 [R + 1] chunk boundaries in ``q_tok``
+    cu_k: np.ndarray  # int32 [R + 1] row boundaries in the key buffer
+    max_q: int
+    max_k: int
+    stage_src: np.ndarray  # int64 flat staging rows of the rows' sinks and tails...
+    stage_dst: np.ndarray  # int64 ...and their positions in the key buffer
+    rec_pages: np.ndarray  # int64 [P] pages of the rows' records, in order...
+    rec_dst: np.ndarray  # int64 [P * G] ...and the buffer position of each of their tokens
+    chunk_dst: np.ndarray  # int64 [Nq] buffer positions of the chunks' own tokens
 
 
 @dataclass
@@ -56,14 +83,18 @@ class StepPlan:
     commit_dst: np.ndarray  # [C] its page (-1: none)
     move_src: np.ndarray  # [M] int64 staging rows moved to the front of a tail
     move_dst: np.ndarray  # [M] int64
-    write_rows: np.ndarray  # [T] int64 staging row of each new token (the trash slot: not staged now)
+    write_rows: np.ndarray  # int64 staging row of each new token staged now (uniform steps: every
+    # token in order, padding to the trash slot)
     dec_tok: np.ndarray  # [Rd] int64 token of each decode row
     dec_req: np.ndarray  # [Rd] int64 block-table row of each decode row
     dec_slot: np.ndarray  # [Rd]
     dec_sink: np.ndarray  # [Rd] sink tokens seen
     dec_tail: np.ndarray  # [Rd] tail tokens seen
     dec_tiles: np.ndarray  # [Rd] records seen
+    write_tok: np.ndarray | None = None  # int64 the step tokens of ``write_rows`` (None: all, in order)
     prefill: list[PrefillRow] = field(default_factory=list)
+    fresh: FreshBatch | None = None  # the prefill rows with ctx = 0...
+    continued: ContinuedBatch | None = None  # ...and the others
     post_src: np.ndarray | None = None  # [P] staging row of the first tile of a prefill chunk to commit
     post_dst: np.ndarray | None = None
     post_step_src: np.ndarray | None = None  # [Q] token of the step starting each other tile to commit
@@ -197,15 +228,57 @@ def _general_step(pool, slots, qsl, n, total, block_table, tile, spec_tokens, nu
             late_rows.append(base + s + pos[late] - new_tb)
             pool.tail_base[slot] = new_tb
     cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dtype=dt))
+    write_tok = np.nonzero(write_rows != trash_row)[0]
     return StepPlan(
         num_tokens=num_tokens, uniform=False, commit_src=_i32(commit_src), commit_dst=_i32(commit_dst),
-        move_src=_i64(move_src), move_dst=_i64(move_dst), write_rows=write_rows,
+        move_src=_i64(move_src), move_dst=_i64(move_dst), write_rows=write_rows[write_tok], write_tok=write_tok,
+        fresh=fresh_batch([r for r in prefill if r.ctx == 0]),
+        continued=continued_batch([r for r in prefill if r.ctx], length, s, g),
         dec_tok=cat(dec["tok"], np.int64), dec_req=cat(dec["req"], np.int64), dec_slot=cat(dec["slot"], np.int32),
         dec_sink=cat(dec["sink"], np.int32), dec_tail=cat(dec["tail"], np.int32),
         dec_tiles=cat(dec["tiles"], np.int32), prefill=prefill, post_src=_i32(post_src), post_dst=_i32(post_dst),
         post_step_src=_i32(post_step_src), post_step_dst=_i32(post_step_dst), late_tok=cat(late_tok, np.int64),
         late_rows=cat(late_rows, np.int64),
     )
+
+
+def fresh_batch(rows: list[PrefillRow]) -> FreshBatch | None:
+    """The chunks that start their requests, for one varlen call (None: there are none)."""
+    if not rows:
+        return None
+    tok = np.concatenate([np.arange(r.t0, r.t0 + r.n) for r in rows])
+    return FreshBatch(tok=tok, cu=_i32(np.cumsum([0] + [r.n for r in rows])), longest=max(r.n for r in rows),
+                      contiguous=bool((np.diff(tok) == 1).all()))
+
+
+def continued_batch(rows: list[PrefillRow], length: int, sink: int, tile: int) -> ContinuedBatch | None:
+    """The chunks that continue their requests, for one varlen call (None: there are none).
+
+    Row ``i``'s key buffer holds positions ``0 .. ctx + n - 1`` at ``cu_k[i]``: the sink rows of its
+    slot, its records (``tile`` tokens each), its tail rows (positions ``tail_base .. ctx - 1``), then
+    the chunk."""
+    if not rows:
+        return None
+    q_len = [r.n for r in rows]
+    k_len = [r.ctx + r.n for r in rows]
+    cu_q, cu_k = np.cumsum([0] + q_len), np.cumsum([0] + k_len)
+    stage_src, stage_dst, rec_dst, chunk_dst = [], [], [], []
+    for r, k0 in zip(rows, cu_k[:-1].tolist()):
+        base = r.slot * length
+        sink_n = min(r.ctx, sink)
+        stage_src.append(base + np.arange(sink_n))
+        stage_dst.append(k0 + np.arange(sink_n))
+        first = sink + np.arange(r.tiles.size)[:, None] * tile + np.arange(tile)[None, :]
+        rec_dst.append(k0 + first.reshape(-1))
+        tail = np.arange(r.tail_base, r.ctx) if r.ctx > r.tail_base else np.zeros(0, dtype=np.int64)
+        stage_src.append(base + sink + tail - r.tail_base)
+        stage_dst.append(k0 + tail)
+        chunk_dst.append(k0 + r.ctx + np.arange(r.n))
+    cat = (lambda xs: np.concatenate(xs).astype(np.int64))
+    return ContinuedBatch(
+        q_tok=cat([np.arange(r.t0, r.t0 + r.n) for r in rows]), cu_q=_i32(cu_q), cu_k=_i32(cu_k), max_q=max(q_len),
+        max_k=max(k_len), stage_src=cat(stage_src), stage_dst=cat(stage_dst),
+        rec_pages=cat([r.tiles for r in rows]), rec_dst=cat(rec_dst), chunk_dst=cat(chunk_dst))
 
 
 def padding_plan(pool: StagingPool, tile: int, spec_tokens: int, num_tokens: int, num_rows: int) -> StepPlan:
@@ -219,4 +292,5 @@ def padding_plan(pool: StagingPool, tile: int, spec_tokens: int, num_tokens: int
                          num_rows)
 
 
-__all__ = ["PrefillRow", "StepPlan", "build_plan", "padding_plan"]
+__all__ = ["ContinuedBatch", "FreshBatch", "PrefillRow", "StepPlan", "build_plan", "continued_batch", "fresh_batch",
+           "padding_plan"]
