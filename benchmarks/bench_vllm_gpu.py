@@ -10,7 +10,7 @@ Scenarios (``--scenarios``; sizes with ``--sizes name=REQUESTSxPROMPT+NEW``):
 - ``at_capacity``: 512 x (256 + 2048), ``max_num_seqs`` 512: more requests than the default holds.
 
 Per row: requests finished, output tokens/s over the timed ``generate`` (prefill included; one
-untimed warm-up first), the KV capacity vLLM reports (tokens; for KVarN with its fp staging counted
+untimed warm-up of prompts past the first tile first), the KV capacity vLLM reports (tokens; for KVarN with its fp staging counted
 in the budget), and the most requests running at once (vLLM's ``num_requests_running`` gauge,
 polled). Also: greedy tokens and log-probabilities of the first ``--logprob-steps`` steps of 8
 prompts against the default backend, and (``--spec``) KVarN with vLLM's ngram speculative decoding
@@ -48,6 +48,7 @@ SCENARIOS = {  # name: (requests, prompt tokens, new tokens, max_num_seqs)
     "at_capacity": (512, 256, 2048, 512),
 }
 PROBE = (8, 300, 48)  # prompts, prompt tokens, new tokens: logprobs and speculative decoding
+WARM = (4, 600, 8)  # the warm-up: past the sink and the first tile
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -86,8 +87,10 @@ def worker(spec: dict) -> dict:
     llm = LLM(**kw)
     result = {"backend": spec["backend"], "kv_capacity_tokens": llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens,
               "rows": [], "probe": None}
-    warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(4, 64, 99)], warm, use_tqdm=False)
+    # Warm-up: prompts past the sink and the first tile, so every kernel of both backends (commits,
+    # prefill, decode over records) is compiled before anything is timed.
+    warm = SamplingParams(max_tokens=WARM[2], temperature=0.0, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(*WARM[:2], 99)], warm, use_tqdm=False)
     for name in spec["scenarios"]:
         n, plen, new, _ = spec["sizes"][name]
         params = SamplingParams(max_tokens=new, min_tokens=new, temperature=0.0, ignore_eos=True)
@@ -148,6 +151,8 @@ def main() -> None:
     ap.add_argument("--spec", action="store_true", help="also KVarN with ngram speculative decoding")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per engine")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_gpu.json"))
+    ap.add_argument("--append", action="store_true",
+                    help="keep the rows of --out's other scenarios (a run split over calls)")
     args = ap.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
@@ -161,6 +166,7 @@ def main() -> None:
         if m is None or m.group(1) not in SCENARIOS:
             ap.error(f"--sizes {item!r}: expected SCENARIO=REQUESTSxPROMPT+NEW with SCENARIO in {list(SCENARIOS)}")
         sizes[m.group(1)] = (int(m.group(2)), int(m.group(3)), int(m.group(4)), sizes[m.group(1)][3])
+    old = json.loads(args.out.read_text()) if args.append and args.out.exists() else None
     folder = Path(tempfile.mkdtemp(prefix="llama8b_"))
     (folder / "config.json").write_text(json.dumps(LLAMA_8B))
     backends = ["default"] + [f"kvarn:{p}" for p in args.presets]
@@ -172,7 +178,7 @@ def main() -> None:
         longest = max(sizes[n][1] + sizes[n][2] for n in names)
         for backend in backends:
             spec = {"model": str(folder), "backend": backend, "scenarios": names, "sizes": sizes,
-                    "max_num_seqs": seqs, "max_model_len": max(longest, sum(PROBE[1:])) + 16,
+                    "max_num_seqs": seqs, "max_model_len": max(longest, sum(PROBE[1:]), sum(WARM[1:])) + 16,
                     "gpu_memory_utilization": args.gpu_memory_utilization, "probe": seqs == min(configs)}
             res = run_engine(spec, args.timeout)
             deaths += "error" in res
@@ -210,12 +216,17 @@ def main() -> None:
             "model": "Llama-3.1-8B shape, dummy weights, bf16", "mode": "torch.compile + CUDA graphs (default)",
             "gpu_memory_utilization": args.gpu_memory_utilization, "date": time.strftime("%Y-%m-%d")}
     out = {"meta": meta, "rows": rows, "logprobs": logprobs, "spec_decode": spec_result, "engine_deaths": deaths}
+    if old:
+        out["rows"] = [r for r in old.get("rows", []) if r.get("scenario") not in args.scenarios] + rows
+        out["logprobs"] = logprobs or old.get("logprobs", {})
+        out["spec_decode"] = spec_result or old.get("spec_decode")
+        out["engine_deaths"] = deaths + old.get("engine_deaths", 0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     print(f"{meta['device']}, vLLM {meta['vllm']}, {meta['mode']}\n")
     print("| scenario | backend | requests | finished | tokens/s | vs default | KV capacity (tokens) | vs default | max running |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
+    for r in out["rows"]:
         if "tokens_per_s" not in r:
             print(f"| {r['scenario']} | {r['backend']} | error: engine died | | | | | | |")
             continue
