@@ -358,6 +358,7 @@ def paged_decode_attention(
     sink_tokens: int,
     max_tiles: int,
     out: torch.Tensor | None = None,
+    plan_rows: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of R query rows over vLLM's pages; twin of :func:`kvarn.paged.paged_decode_attention`.
 
@@ -367,7 +368,10 @@ def paged_decode_attention(
     with ``S = sink_tokens``. pages: uint8 ``[num_blocks, Hk, record_bytes]``; row ``r``'s tile ``n``
     (``n < tile_counts[r] <= max_tiles``) is the record at page ``block_table[r, S / G + n]``. All
     per-row tensors int32 on the device. ``max_tiles`` fixes the launch (splits), so a captured
-    graph replays any lengths up to it. Returns ``out`` (or a new tensor) ``[R, Hq, D]``.
+    graph replays any lengths up to it. ``plan_rows`` (>= R): plan the launch (warps, splits) as for
+    that many rows, so that a few row counts share the compiled variants (vLLM's eager steps use its
+    graph sizes, whose variants the graph capture compiled). Returns ``out`` (or a new tensor)
+    ``[R, Hq, D]``.
     """
     from ..codec.record import record_field_views
 
@@ -402,8 +406,11 @@ def paged_decode_attention(
     for name in FIELD_ORDER:  # a tile's stride along n is a page; the kernel's b stride is unused
         x = getattr(fields, name)
         tile_args += [x, 0, x.stride(1), x.stride(0)]
-    warps, regs, stages, waves = launch_plan(r * hk, d, m)
-    splits, fps = plan_splits(r * hk, max_tiles, sink_tokens + r_cap, dev, waves)
+    rp = r if plan_rows is None else plan_rows
+    if rp < r:
+        raise ValueError(f"plan_rows={plan_rows} must be at least the {r} query rows")
+    warps, regs, stages, waves = launch_plan(rp * hk, d, m)
+    splits, fps = plan_splits(rp * hk, max_tiles, sink_tokens + r_cap, dev, waves)
     per_split = -(-max_tiles // splits) if splits else 1
     splits = -(-max_tiles // per_split) if splits else 0
     ns = splits + fps

@@ -81,7 +81,9 @@ def _field_offset(i0, i1, i2, s0, s1, s2):
     return i0.to(tl.int64) * s0 + i1.to(tl.int64) * s1 + i2.to(tl.int64) * s2
 
 
-@triton.jit
+# N1, N2, n_tiles: launch sizes, not specialized (divisible by 16 or not, equal to 1 or not), so
+# that varying launch sizes (vLLM's eager steps) reuse one compiled variant per launch option.
+@triton.jit(do_not_specialize=["N1", "N2", "n_tiles"])
 def _encode_tiles_kernel(
     k_ptr, k_s0, k_s1, k_s2, k_sr, k_sc, v_ptr, v_s0, v_s1, v_s2, v_sr, v_sc,
     kc_ptr, kc_s0, kc_s1, kc_s2, ks_ptr, ks_s0, ks_s1, ks_s2,

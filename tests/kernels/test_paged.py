@@ -76,12 +76,14 @@ def _paged_case(device, cfg, hq=4, hk=2, d=64, rows=5, seed=0):
     return q, stage_k, stage_v, slots, sink_len, tail_len, pages, perm, counts
 
 
-@pytest.mark.parametrize("preset", ["k4v2_g64", "k2v2_g64"])
-def test_paged_decode_matches_twin(kdevice, preset):
+@pytest.mark.parametrize("preset,plan_rows", [("k4v2_g64", None), ("k2v2_g64", None), ("k4v2_g64", 512)])
+def test_paged_decode_matches_twin(kdevice, preset, plan_rows):
+    # plan_rows: the launch planned as for many rows (fewer splits, no fp split of its own) reads the same
     cfg = PRESETS[preset]
     q, sk, sv, slots, sl, tl_, pages, bt, counts = _paged_case(kdevice, cfg)
     kw = dict(sink_tokens=cfg.tile, max_tiles=7)
-    got = paged_decode_attention(q, sk, sv, slots, sl, tl_, pages, bt, counts, cfg, **kw).float().cpu()
+    got = paged_decode_attention(q, sk, sv, slots, sl, tl_, pages, bt, counts, cfg, plan_rows=plan_rows,
+                                 **kw).float().cpu()
     args = [x.cpu() for x in (q, sk, sv, slots, sl, tl_, pages, bt, counts)]
     ref = twin.paged_decode_attention(*args, cfg, **kw)
     ref16 = twin.paged_decode_attention(args[0].half(), args[1].half(), args[2].half(), *args[3:], cfg, **kw)
@@ -103,6 +105,9 @@ def test_paged_decode_row_without_keys_is_zero(kdevice):
 def test_paged_decode_refuses_bad_lengths_dtype(kdevice):
     cfg = PRESETS["k4v2_g64"]
     q, sk, sv, slots, sl, tl_, pages, bt, counts = _paged_case(kdevice, cfg)
+    with pytest.raises(ValueError, match="plan_rows=2 must be at least the 5 query rows"):
+        paged_decode_attention(q, sk, sv, slots, sl, tl_, pages, bt, counts, cfg, sink_tokens=cfg.tile, max_tiles=7,
+                               plan_rows=2)
     with pytest.raises(ValueError, match="tile_counts must be int32"):
         paged_decode_attention(q, sk, sv, slots, sl, tl_, pages, bt, counts.long(), cfg, sink_tokens=cfg.tile,
                                max_tiles=7)

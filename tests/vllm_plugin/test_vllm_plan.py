@@ -178,6 +178,14 @@ def test_short_prompt_stays_in_the_sink_and_padding_rows_see_nothing():
     assert set(pad.write_rows.tolist()) == {step.pool.trash * step.length}
 
 
+def test_eager_launches_take_the_graph_sizes_then_powers_of_two():
+    from kvarn.integrations.vllm.commit import launch_size
+
+    sizes = (1, 2, 4, 8, 16, 24, 32)
+    assert [launch_size(n, sizes) for n in (1, 3, 9, 17, 24, 25, 32, 33, 100)] == [1, 4, 16, 24, 24, 32, 32, 64, 128]
+    assert [launch_size(n, ()) for n in (1, 2, 3, 64, 65)] == [1, 2, 4, 64, 128]
+
+
 def test_pool_gives_every_running_request_a_slot_and_reuses_freed_ones():
     pool = StagingPool(2, CFG)
     a, b = pool.slots_for(["a", "b"]).tolist()

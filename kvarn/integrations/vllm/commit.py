@@ -20,17 +20,33 @@ from ...codec.record import record_field_views, store_records
 CPU_COMMIT_TILES = 256
 
 
+def launch_size(n: int, sizes: tuple[int, ...]) -> int:
+    """The launch size of ``n`` entries in an eager step: the first of vLLM's graph sizes ``sizes``
+    (ascending) that holds them, else the next power of two. Triton compiles a kernel variant per
+    launch plan and integer specialization; sizing eager launches like the captured ones keeps
+    their variants to the few the graph capture and the warm-up compiled (a compile takes seconds)."""
+    for size in sizes:
+        if size >= n:
+            return size
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def commit_tiles(rows_k: torch.Tensor, rows_v: torch.Tensor, src: torch.Tensor | None, pages: torch.Tensor,
                  dst: torch.Tensor | None, cfg: KVarNConfig, kernels: str, static: bool,
-                 rotate: bool = False) -> None:
+                 rotate: bool = False, sizes: tuple[int, ...] = ()) -> None:
     """Encode the tiles of G token rows starting at ``src`` of ``rows_k``, ``rows_v`` ``[N, Hk, D]``
     into ``pages`` at ``dst`` (negative: none). ``static``: launch even when no entry is a tile (a
-    captured graph's launches are fixed); ``rotate``: the rows are in the model frame."""
+    captured graph's launches are fixed; otherwise the Triton launch is padded to
+    :func:`launch_size` with entries of no tile); ``rotate``: the rows are in the model frame."""
     if src is None or (not static and src.numel() == 0):
         return
     if kernels == "triton":
         from ...kernels.encode import encode_into_pages
 
+        pad = 0 if static else launch_size(src.numel(), sizes) - src.numel()
+        if pad:
+            src = torch.cat([src, src.new_zeros(pad)])
+            dst = torch.cat([dst, dst.new_full((pad,), -1)])
         encode_into_pages(rows_k, rows_v, src, pages, dst, cfg, rotate=rotate)
         return
     if kernels == "torch":
@@ -55,7 +71,7 @@ def commit_tiles(rows_k: torch.Tensor, rows_v: torch.Tensor, src: torch.Tensor |
 
 
 def decode_rows(q, stage_k, stage_v, pages, md, out, cfg: KVarNConfig, scale: float, max_tiles: int,
-                kernels: str) -> None:
+                kernels: str, sizes: tuple[int, ...] = ()) -> None:
     """One query token per decode row of ``md`` over [sink | records | tail], written to ``out``."""
     s = cfg.sink_tokens
     if kernels in ("triton", "torch") and (kernels == "triton" or q.is_cuda):
@@ -69,6 +85,8 @@ def decode_rows(q, stage_k, stage_v, pages, md, out, cfg: KVarNConfig, scale: fl
             r = md.dec_slot.shape[0]
             paged_decode_attention(q[:r], *args, md.block_table[:r], md.dec_tiles, cfg, scale, out=out[:r], **kw)
         else:
+            if kernels == "triton":  # planned as the graphs' launch of this many rows (:func:`launch_size`)
+                kw["plan_rows"] = launch_size(md.dec_slot.shape[0], sizes)
             o = paged_decode_attention(q.index_select(0, md.dec_tok), *args, md.block_table.index_select(0, md.dec_req),
                                        md.dec_tiles, cfg, scale, **kw)
             out.index_copy_(0, md.dec_tok, o.to(out.dtype))
@@ -88,4 +106,4 @@ def decode_rows(q, stage_k, stage_v, pages, md, out, cfg: KVarNConfig, scale: fl
     out.index_copy_(0, md.dec_tok, o.to(out.dtype))
 
 
-__all__ = ["commit_tiles", "decode_rows"]
+__all__ = ["commit_tiles", "decode_rows", "launch_size"]
