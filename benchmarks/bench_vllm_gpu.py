@@ -21,6 +21,10 @@ Run it on the GPU machine with vLLM staged (``../shared/tools/vllm_gpu/README.md
 
     python benchmarks/bench_vllm_gpu.py --out benchmarks/results/vllm_gpu.json
 
+A run too long for one device call splits over consecutive calls of one machine, each merging into
+``--out`` with ``--append`` (a row replaces the earlier row of its scenario and backend), e.g. the
+default backend (``--presets`` with no name), then each preset with ``--skip-default``.
+
 Prints a Markdown table and writes JSON; asserts nothing; not run by CI.
 """
 
@@ -140,11 +144,19 @@ def compare_probe(ref, got, steps: int) -> dict:
             "max_abs_logprob_diff": max(diffs) if diffs else None}
 
 
+def merge(old: dict, rows: list, probes: dict, deaths: int) -> tuple[list, dict, int]:
+    """This call's rows and probes over an earlier call's JSON: a row replaces the earlier one of its
+    (scenario, backend) pair; the others stay."""
+    ran = {(r.get("scenario"), r["backend"]) for r in rows}
+    kept = [r for r in old.get("rows", []) if (r.get("scenario"), r["backend"]) not in ran]
+    return kept + rows, {**old.get("probes", {}), **probes}, deaths + old.get("engine_deaths", 0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
-    ap.add_argument("--presets", nargs="+", default=["k4v2_g128", "k2v2_g128"])
+    ap.add_argument("--presets", nargs="*", default=["k4v2_g128", "k2v2_g128"], help="none: the default backend only")
     ap.add_argument("--sizes", nargs="*", default=[], help="override, e.g. reasoning=64x256+1024")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--logprob-steps", type=int, default=16)
@@ -152,7 +164,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=900, help="seconds per engine")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_gpu.json"))
     ap.add_argument("--append", action="store_true",
-                    help="keep the rows of --out's other scenarios (a run split over calls)")
+                    help="keep --out's rows of other (scenario, backend) pairs and its probes: a run split over "
+                         "calls of one machine")
+    ap.add_argument("--skip-default", action="store_true", help="run only the kvarn presets (with --append)")
     args = ap.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
@@ -169,7 +183,12 @@ def main() -> None:
     old = json.loads(args.out.read_text()) if args.append and args.out.exists() else None
     folder = Path(tempfile.mkdtemp(prefix="llama8b_"))
     (folder / "config.json").write_text(json.dumps(LLAMA_8B))
-    backends = ["default"] + [f"kvarn:{p}" for p in args.presets]
+    if args.skip_default and not args.presets:
+        ap.error("--skip-default with no --presets runs nothing")
+    if args.skip_default and not args.append:
+        ap.error("--skip-default needs --append: the default backend's rows come from an earlier call's --out")
+    kvarn_backends = [f"kvarn:{p}" for p in args.presets]
+    backends = ([] if args.skip_default else ["default"]) + kvarn_backends
     configs = {}  # max_num_seqs -> scenarios
     for name in args.scenarios:
         configs.setdefault(sizes[name][3], []).append(name)
@@ -191,21 +210,24 @@ def main() -> None:
             if "error" in res:
                 rows.append({"scenario": ",".join(names), "backend": backend, "error": res["error"][-500:]})
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"partial": True, "rows": rows, "engine_deaths": deaths}, indent=1))
+            partial = args.out.with_suffix(".partial.json")  # what a call cut short leaves
+            partial.write_text(json.dumps({"partial": True, "rows": rows, "engine_deaths": deaths}, indent=1))
+    if old:
+        rows, probes, deaths = merge(old, rows, probes, deaths)
     logprobs = {b: compare_probe(probes["default"], p, args.logprob_steps)
                 for b, p in probes.items() if b != "default" and "default" in probes}
     spec_result = None
-    if args.spec:
+    if args.spec and kvarn_backends:
         seqs = min(configs)
-        base = {"model": str(folder), "backend": backends[1], "scenarios": [], "sizes": sizes, "max_num_seqs": seqs,
+        base = {"model": str(folder), "backend": kvarn_backends[0], "scenarios": [], "sizes": sizes, "max_num_seqs": seqs,
                 "max_model_len": sum(PROBE[1:]) + 16, "gpu_memory_utilization": args.gpu_memory_utilization,
                 "probe": True}
         res = run_engine({**base, "spec_decode": True}, args.timeout)
         deaths += "error" in res
-        if res.get("probe") and backends[1] in probes:
-            spec_result = {"backend": backends[1], **compare_probe(probes[backends[1]], res["probe"], 0)}
+        if res.get("probe") and kvarn_backends[0] in probes:
+            spec_result = {"backend": kvarn_backends[0], **compare_probe(probes[kvarn_backends[0]], res["probe"], 0)}
         else:
-            spec_result = {"backend": backends[1], "error": res.get("error", "no probe")[-500:]}
+            spec_result = {"backend": kvarn_backends[0], "error": res.get("error", "no probe")[-500:]}
     for r in rows:
         base = next((x for x in rows if x.get("scenario") == r.get("scenario") and x["backend"] == "default"
                      and "tokens_per_s" in x), None)
@@ -215,18 +237,16 @@ def main() -> None:
     meta = {"device": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
             "model": "Llama-3.1-8B shape, dummy weights, bf16", "mode": "torch.compile + CUDA graphs (default)",
             "gpu_memory_utilization": args.gpu_memory_utilization, "date": time.strftime("%Y-%m-%d")}
-    out = {"meta": meta, "rows": rows, "logprobs": logprobs, "spec_decode": spec_result, "engine_deaths": deaths}
-    if old:
-        out["rows"] = [r for r in old.get("rows", []) if r.get("scenario") not in args.scenarios] + rows
-        out["logprobs"] = logprobs or old.get("logprobs", {})
-        out["spec_decode"] = spec_result or old.get("spec_decode")
-        out["engine_deaths"] = deaths + old.get("engine_deaths", 0)
+    if old and spec_result is None:
+        spec_result = old.get("spec_decode")
+    out = {"meta": meta, "rows": rows, "logprobs": logprobs, "spec_decode": spec_result, "engine_deaths": deaths,
+           "probes": probes}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     print(f"{meta['device']}, vLLM {meta['vllm']}, {meta['mode']}\n")
     print("| scenario | backend | requests | finished | tokens/s | vs default | KV capacity (tokens) | vs default | max running |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for r in out["rows"]:
+    for r in rows:
         if "tokens_per_s" not in r:
             print(f"| {r['scenario']} | {r['backend']} | error: engine died | | | | | | |")
             continue

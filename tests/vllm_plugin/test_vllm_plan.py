@@ -267,3 +267,21 @@ def test_continuing_chunks_attend_over_sink_records_tail_and_themselves():
         scores = (qr @ hist[0].transpose(1, 2)) * D ** -0.5
         want = rotate((scores.masked_fill(~mask, float("-inf")).softmax(-1) @ hist[1]).transpose(0, 1))
         torch.testing.assert_close(out[r.t0:r.t0 + r.n], want, atol=1e-4, rtol=1e-4)
+
+
+def test_an_eager_commit_padded_to_a_graph_size_writes_only_its_tiles():
+    """commit_tiles pads an eager Triton launch to the next graph size with entries of no tile: the
+    records are the unpadded launch's, and no other page is touched."""
+    pytest.importorskip("triton")
+    from kvarn.integrations.vllm.commit import commit_tiles
+
+    cfg, hk, d = PRESETS["k4v2_g64"], 2, 64
+    g = torch.Generator().manual_seed(0)
+    rows_k, rows_v = torch.randn(3 * cfg.tile, hk, d, generator=g), torch.randn(3 * cfg.tile, hk, d, generator=g)
+    src = torch.tensor([0, 2 * cfg.tile, cfg.tile], dtype=torch.int32)
+    dst = torch.tensor([4, -1, 1], dtype=torch.int32)
+    want = torch.full((6, hk, cfg.record_bytes(d)), 7, dtype=torch.uint8)
+    got = want.clone()
+    commit_tiles(rows_k, rows_v, src, want, dst, cfg, "triton", True)  # as given: 3 entries
+    commit_tiles(rows_k, rows_v, src, got, dst, cfg, "triton", False, sizes=(2, 8))  # padded to 8
+    assert torch.equal(got, want) and (got[[0, 2, 3, 5]] == 7).all()
