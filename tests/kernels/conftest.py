@@ -9,7 +9,9 @@ On the GPU machine, two tiers:
 ``slow`` marks the full-size cases a fast run leaves out: of each full-size sweep, the cases off
 its diagonal (``kernel_data.full_sweep``: one case per preset, each with another shape), the
 encoder's launch options other than the cache's own, and the second preset or mode of the
-real-model and captured-decode tests. ``make test`` (CPU, interpreter) runs every case it can,
+real-model and captured-decode tests; and of the small cases, those that run a path another case
+already runs with other constants (bits, shapes, launch knobs: ``kernel_data.fast_cases``). On a
+GPU the tier's time is mostly Triton compiles, one per distinct kernel variant (3-10 s on an H100). ``make test`` (CPU, interpreter) runs every case it can,
 slow or not.
 """
 

@@ -50,6 +50,14 @@ def rel_err(x, ref):
 HAS_CUDA = torch.cuda.is_available()
 
 
+def fast_cases(cases, fast=(0,)):
+    """pytest params of ``cases`` (a tuple case spreads over several arguments) whose indices in
+    ``fast`` run in the fast tier; the others, the same path with other constants (bits, shapes,
+    launch knobs), are marked ``slow``: on a GPU each costs a kernel compile of its own."""
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=() if i in fast else pytest.mark.slow)
+            for i, c in enumerate(cases)]
+
+
 def full_sweep(*axes):
     """pytest params over the product of ``axes`` (lists of values; a tuple value spreads over
     several arguments). The fast tier keeps the diagonal, case i taking value i of every axis, for

@@ -12,7 +12,7 @@ from kvarn.attention import decode_attention as torch_decode
 from kvarn.codec import rotate_kv
 from kvarn.config import KVarNConfig
 
-from kernel_data import HAS_CUDA, SMALL_DECODE_CASES, full_sweep, history, rel_err
+from kernel_data import HAS_CUDA, SMALL_DECODE_CASES, fast_cases, full_sweep, history, rel_err
 
 kernels = pytest.importorskip("kvarn.kernels", reason="triton is not importable")
 ATOL = 1e-4
@@ -30,7 +30,7 @@ def check(q, sink_k, sink_v, tiles, tail_k, tail_v, cfg, num_splits=None, fp_spl
     return e, e16
 
 
-@pytest.mark.parametrize("bits,tq,splits", SMALL_DECODE_CASES)
+@pytest.mark.parametrize("bits,tq,splits", fast_cases(SMALL_DECODE_CASES, fast=(0, 2)))  # one token; three
 def test_decode_small(bits, tq, splits, kdevice):
     cfg = KVarNConfig(key_bits=bits[0], value_bits=bits[1], tile=64)
     sk, sv, tiles, tk, tv, _, _ = history(1, 2, 2, 64, cfg, kdevice, tail=5)
@@ -54,7 +54,7 @@ def test_decode_model_frame_and_lengths(kdevice):
           num_splits=2, **lengths)
 
 
-@pytest.mark.parametrize("given", ["sink_lengths", "tile_counts", "tail_lengths"])
+@pytest.mark.parametrize("given", fast_cases(["sink_lengths", "tile_counts", "tail_lengths"]))
 def test_decode_some_lengths_given(given, kdevice):
     """A length left as None is the capacity (a scalar in the kernel, no device tensor); one given
     is read per row. Either way the twin's result, whichever of the three is given."""
@@ -117,13 +117,13 @@ def test_decode_full_model_frame_bf16(name):
     check(q, to_model(sk), to_model(sv), tiles, to_model(tk), to_model(tv), cfg, fp_frame="model", **lengths)
 
 
-@pytest.mark.parametrize("knobs", [
+@pytest.mark.parametrize("knobs", fast_cases([
     dict(num_warps=1, num_stages=2),  # the default at D <= 128 (one or two waves of splits)
     dict(num_warps=2, num_stages=3, max_registers=168),  # a capped, 3-stage plan (a --sweep knob)
     dict(num_warps=2, num_stages=2),  # D 256 or 8 rows per KV head: uncapped
     dict(num_warps=2, num_stages=1),
     dict(num_warps=4, num_stages=2, num_splits=1),
-])
+]))
 def test_decode_launch_plans(knobs, kdevice):
     """Every launch plan :func:`launch_plan` picks from, and explicit knobs, give the twin's result
     (on a GPU each is its own compiled kernel: pipelined or not, one or more warps)."""

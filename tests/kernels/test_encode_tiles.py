@@ -17,7 +17,7 @@ from kvarn.codec.normalize import apply_scales, normalize_iterates
 from kvarn.codec.pack import unpack_codes
 from kvarn.codec.record import FIELD_ORDER, TileFields, fields_to_records
 
-from kernel_data import HAS_CUDA, full_sweep, rotated_tiles, synthetic_kv
+from kernel_data import HAS_CUDA, fast_cases, full_sweep, rotated_tiles, synthetic_kv
 
 kernels = pytest.importorskip("kvarn.kernels", reason="triton is not importable")
 
@@ -81,7 +81,7 @@ def compare(out, ref, config, tiles=None):
     return flips, total, moved
 
 
-@pytest.mark.parametrize("bits", [(2, 2), (4, 2), (4, 4), (8, 4)])
+@pytest.mark.parametrize("bits", fast_cases([((2, 2),), ((4, 2),), ((4, 4),), ((8, 4),)], fast=(0, 3)))
 def test_encode_small(bits, kdevice):
     cfg = KVarNConfig(key_bits=bits[0], value_bits=bits[1], tile=64, sinkhorn_iters=4)
     k, v = synthetic_kv(1, 2, 64, 64, kdevice, seed=bits[0] * 10 + bits[1])
@@ -116,8 +116,8 @@ def _model_frame(k, v, cfg, dtype=torch.float16):
     return k16, v16, k16.reshape(b, h, n, cfg.tile, d).transpose(-1, -2), v16.reshape(b, h, n, cfg.tile, d)
 
 
-@pytest.mark.parametrize("bits,dtype", [((2, 2), torch.float16), ((4, 2), torch.float16),
-                                        ((4, 2), torch.bfloat16), ((2, 2), torch.float32)])
+@pytest.mark.parametrize("bits,dtype", fast_cases([((2, 2), torch.float16), ((4, 2), torch.float16),
+                                                    ((4, 2), torch.bfloat16), ((2, 2), torch.float32)], fast=(0, 2)))
 def test_encode_rotates_model_frame_tiles(bits, dtype, kdevice):
     """rotate=True: the kernel's own rotation of model-frame tiles encodes as the torch codec does
     the tiles rotated in torch (fp32); fp16 tiles take the rotation's one-MMA first stage, bf16 and
@@ -146,7 +146,7 @@ def test_encode_rotates_full_size_tiles(name, d, kdevice):
     assert flips <= max(1, int(1e-4 * total)) and moved <= 4
 
 
-@pytest.mark.parametrize("mag, offset, spread", [(30, 30, 1.0), (100, 20, 1.5)])
+@pytest.mark.parametrize("mag, offset, spread", fast_cases([(30, 30, 1.0), (100, 20, 1.5)]))
 def test_encode_keeps_the_twin_on_large_values(mag, offset, spread, kdevice):
     """Far from unit scale (values up to about 10^4, channel offsets 20-30x a value's scale, token
     scales spread over about two decades), the fp32 sums stay within the twin's tolerance: a pass's
@@ -165,8 +165,9 @@ def test_encode_keeps_the_twin_on_large_values(mag, offset, spread, kdevice):
     assert flips <= max(1, int(1e-4 * total)) and moved <= 4
 
 
-@pytest.mark.parametrize("tile,d,quantiles", [(64, 64, (0.03, 0.03)), (64, 128, (0.0, 0.05)),
-                                              (128, 128, (0.03, 0.03)), (128, 256, (0.005, 0.2))])
+@pytest.mark.parametrize("tile,d,quantiles", fast_cases([(64, 64, (0.03, 0.03)), (64, 128, (0.0, 0.05)),
+                                                          (128, 128, (0.03, 0.03)), (128, 256, (0.005, 0.2))],
+                                                         fast=(2,)))
 def test_encode_quantile_ranges(tile, d, quantiles, kdevice):
     """Rows rounded over their [q, 1 - q] quantiles (kvarn-auto's 2-bit ranges), per K and V: the
     kernel's rank extraction and interpolation give the torch codec's torch.quantile ranges, and they differ
@@ -186,7 +187,7 @@ def test_encode_quantile_ranges(tile, d, quantiles, kdevice):
     assert not torch.equal(out.v_row_scale, minmax.v_row_scale)
 
 
-@pytest.mark.parametrize("slot_dtype", [torch.long, torch.int32])
+@pytest.mark.parametrize("slot_dtype", fast_cases([torch.long, torch.int32]))
 def test_encode_writes_at_a_device_slot(kdevice, slot_dtype):
     """slot: tiles n = 0, 1 land at slot + n of fields with a capacity axis; the rest is untouched
     (an int32 slot, as a cache's tile count is, the same as a long one)."""

@@ -4,6 +4,7 @@ encoder use it."""
 
 import pytest
 import torch
+from kernel_data import fast_cases
 
 from kvarn.codec.hadamard import hadamard_matrix
 
@@ -27,7 +28,7 @@ def _rotate_rows_kernel(x_ptr, y_ptr, mid, R: tl.constexpr, D: tl.constexpr, SPL
 
 
 @pytest.mark.parametrize("split_rows", [False, True])
-@pytest.mark.parametrize("rows,d", [(4, 64), (4, 128), (8, 128), (4, 256), (16, 32)])
+@pytest.mark.parametrize("rows,d", fast_cases([(4, 64), (4, 128), (8, 128), (4, 256), (16, 32)], fast=(1,)))
 def test_hadamard_rows_is_the_rotation(rows, d, split_rows, kdevice):
     """The kernel's in-register rotation (two small MMAs over the Kronecker factors of H) is
     ``x @ (sqrt(D) H)`` to fp32 rounding, on rows whose channels span three orders of magnitude;
@@ -40,7 +41,7 @@ def test_hadamard_rows_is_the_rotation(rows, d, split_rows, kdevice):
     assert (y.cpu().double() - ref).abs().max() <= 1e-6 * ref.abs().max()
 
 
-@pytest.mark.parametrize("rows,d", [(4, 64), (16, 128), (8, 256)])
+@pytest.mark.parametrize("rows,d", fast_cases([(4, 64), (16, 128), (8, 256)], fast=(1,)))
 def test_hadamard_rows_of_fp16_rows(rows, d, kdevice):
     """fp16 rows go into the first MMA as they are, and ``mid`` scales its sums before the second
     (the encoder's form for fp16 tiles): still ``x @ (sqrt(D) H)`` to fp32 rounding, times ``mid``;

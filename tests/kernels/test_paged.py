@@ -7,6 +7,7 @@ against the float32 twin, the bound of the other kernel tests.
 
 import pytest
 import torch
+from kernel_data import fast_cases
 
 from kvarn import PRESETS
 from kvarn import paged as twin
@@ -25,7 +26,7 @@ def _rows(n, hk, d, device, seed=0):
     return x.to(device)
 
 
-@pytest.mark.parametrize("preset", ["k4v2_g64", "k2v2_g64"])
+@pytest.mark.parametrize("preset", fast_cases(["k4v2_g64", "k2v2_g64"]))
 @pytest.mark.parametrize("rotate_in_kernel", [False, True])
 def test_encode_into_pages_is_the_encoder_at_indexed_rows(kdevice, preset, rotate_in_kernel):
     """Bit for bit the tile encoder's records for the same tiles (the same arithmetic), at the

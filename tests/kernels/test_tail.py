@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from kernel_data import fast_cases
 
 from kvarn.kernels.tail import append_tail
 
@@ -18,7 +19,7 @@ def _twin(tail_k, tail_v, k, v, lengths, frozen, tile):
     return tk, tv, n
 
 
-@pytest.mark.parametrize("q,frozen", [(1, 0), (1, 1), (3, 0), (3, 2)])
+@pytest.mark.parametrize("q,frozen", fast_cases([(1, 0), (1, 1), (3, 0), (3, 2)], fast=(0, 3)))
 def test_append_tail_matches_the_indexed_write(q, frozen, kdevice):
     """Rows at different tail lengths, fp32 K/V from strided views into fp16 tails: the same tails
     and lengths as the twin, and nothing else of the tail written."""
