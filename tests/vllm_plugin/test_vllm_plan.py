@@ -270,10 +270,10 @@ def test_continuing_chunks_attend_over_sink_records_tail_and_themselves():
 
 
 def test_an_eager_commit_padded_to_a_graph_size_writes_only_its_tiles():
-    """commit_tiles pads an eager Triton launch to the next graph size with entries of no tile: the
-    records are the unpadded launch's, and no other page is touched."""
+    """pad_commits pads an eager commit list to the next graph size with entries of no tile: the
+    Triton launch writes the unpadded launch's records, and no other page."""
     pytest.importorskip("triton")
-    from kvarn.integrations.vllm.commit import commit_tiles
+    from kvarn.integrations.vllm.commit import commit_tiles, pad_commits
 
     cfg, hk, d = PRESETS["k4v2_g64"], 2, 64
     g = torch.Generator().manual_seed(0)
@@ -283,5 +283,9 @@ def test_an_eager_commit_padded_to_a_graph_size_writes_only_its_tiles():
     want = torch.full((6, hk, cfg.record_bytes(d)), 7, dtype=torch.uint8)
     got = want.clone()
     commit_tiles(rows_k, rows_v, src, want, dst, cfg, "triton", True)  # as given: 3 entries
-    commit_tiles(rows_k, rows_v, src, got, dst, cfg, "triton", False, sizes=(2, 8))  # padded to 8
+    psrc, pdst = pad_commits(src.numpy(), dst.numpy(), (2, 8))
+    assert psrc.tolist() == [0, 2 * cfg.tile, cfg.tile, 0, 0, 0, 0, 0] and pdst.tolist() == [4, -1, 1] + [-1] * 5
+    commit_tiles(rows_k, rows_v, torch.from_numpy(psrc), got, torch.from_numpy(pdst), cfg, "triton", False)
     assert torch.equal(got, want) and (got[[0, 2, 3, 5]] == 7).all()
+    empty = np.zeros(0, dtype=np.int32)
+    assert [x.size for x in pad_commits(empty, empty, (2, 8))] == [0, 0] and pad_commits(None, None, ()) == (None, None)

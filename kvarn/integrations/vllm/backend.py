@@ -39,6 +39,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ...config import PRESETS, KVarNConfig, supported_head_dims
 from . import exact
+from .commit import graph_sizes, launch_size, pad_commits
 from .hooks import install_hooks
 from .impl import KVarNAttentionImpl
 from .plan import PrefillRow, StepPlan, build_plan, padding_plan
@@ -63,8 +64,8 @@ class KVarNMetadata:
 
     num_tokens: int
     uniform: bool
-    commit_src: torch.Tensor
-    commit_dst: torch.Tensor
+    commit_src: torch.Tensor | None
+    commit_dst: torch.Tensor | None
     move_src: torch.Tensor | None  # int64
     move_dst: torch.Tensor | None
     write_rows: torch.Tensor  # int64
@@ -78,6 +79,7 @@ class KVarNMetadata:
     dec_tiles: torch.Tensor
     block_table: torch.Tensor  # vLLM's [rows, W]
     prefill: list[PrefillRow]
+    dec_plan_rows: int | None = None  # eager steps (CUDA): the graph size the decode launch is planned as
     fresh: "exact.FreshRows | None" = None
     continued: "exact.ContinuedRows | None" = None
     post_src: torch.Tensor | None = None
@@ -125,6 +127,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata | WindowMetada
         # Persistent device buffers of the one-token decode steps (the graphs read them in place).
         self._meta = torch.zeros(6 * max_rows, dtype=torch.int32, device=device)
         self._write = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        # Eager launches are sized like the captured ones (:func:`.commit.launch_size`): no Triton
+        # compile of a new variant inside a step.
+        self.launch_sizes = graph_sizes(vllm_config)
         install_hooks(vllm_config)
 
     def kvarn_release(self, req_ids) -> None:
@@ -197,11 +202,14 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata | WindowMetada
         # Eager steps: every index array of the step in two copies (int32 for the kernels and
         # FlashAttention's boundaries, int64 for torch's index ops).
         fr, co = plan.fresh, plan.continued
+        commits = {"commit": (plan.commit_src, plan.commit_dst), "post": (plan.post_src, plan.post_dst),
+                   "post_step": (plan.post_step_src, plan.post_step_dst)}
+        if self.device.type != "cpu":
+            commits = {k: pad_commits(*pair, self.launch_sizes) for k, pair in commits.items()}
         i32 = self._upload({
-            "commit_src": plan.commit_src, "commit_dst": plan.commit_dst, "dec_slot": plan.dec_slot,
-            "dec_sink": plan.dec_sink, "dec_tail": plan.dec_tail, "dec_tiles": plan.dec_tiles,
-            "post_src": plan.post_src, "post_dst": plan.post_dst, "post_step_src": plan.post_step_src,
-            "post_step_dst": plan.post_step_dst, "fresh_cu": fr.cu if fr else None,
+            **{f"{k}_{end}": a for k, pair in commits.items() for end, a in zip(("src", "dst"), pair)},
+            "dec_slot": plan.dec_slot, "dec_sink": plan.dec_sink, "dec_tail": plan.dec_tail,
+            "dec_tiles": plan.dec_tiles, "fresh_cu": fr.cu if fr else None,
             "cu_q": co.cu_q if co else None, "cu_k": co.cu_k if co else None}, np.int32)
         i64 = self._upload({
             "move_src": plan.move_src, "move_dst": plan.move_dst, "write_rows": plan.write_rows,
@@ -210,16 +218,15 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata | WindowMetada
             "fresh_tok": fr.tok if fr and not fr.contiguous else None,
             **({f"co_{k}": getattr(co, k) for k in ("q_tok", "stage_src", "stage_dst", "rec_pages", "rec_dst",
                                                      "chunk_dst")} if co else {})}, np.int64)
-        empty32 = torch.zeros(0, dtype=torch.int32, device=self.device)
         md = KVarNMetadata(
-            num_tokens=plan.num_tokens, uniform=False,
-            commit_src=_or(i32["commit_src"], empty32), commit_dst=_or(i32["commit_dst"], empty32),
+            num_tokens=plan.num_tokens, uniform=False, commit_src=i32["commit_src"], commit_dst=i32["commit_dst"],
             move_src=i64["move_src"], move_dst=i64["move_dst"], write_rows=i64["write_rows"],
             write_tok=i64["write_tok"], dec_rows=n, dec_tok=i64["dec_tok"], dec_req=i64["dec_req"],
             dec_slot=i32["dec_slot"], dec_sink=i32["dec_sink"], dec_tail=i32["dec_tail"], dec_tiles=i32["dec_tiles"],
             block_table=cam.block_table_tensor, prefill=plan.prefill, post_src=i32["post_src"],
             post_dst=i32["post_dst"], post_step_src=i32["post_step_src"], post_step_dst=i32["post_step_dst"],
-            late_tok=i64["late_tok"], late_rows=i64["late_rows"])
+            late_tok=i64["late_tok"], late_rows=i64["late_rows"],
+            dec_plan_rows=launch_size(n, self.launch_sizes) if n and self.device.type != "cpu" else None)
         if fr is not None:
             tok = slice(int(fr.tok[0]), int(fr.tok[-1]) + 1) if fr.contiguous else i64["fresh_tok"]
             md.fresh = exact.FreshRows(tok=tok, cu=i32["fresh_cu"], longest=fr.longest, bounds=fr.cu.tolist())
@@ -234,10 +241,6 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata | WindowMetada
         elif self.device.type == "cpu":
             md.dec_tile_list, md.dec_tile_row = torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
         return md
-
-
-def _or(x: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:
-    return default if x is None else x
 
 
 def _ragged_tiles(plan: StepPlan, bt: np.ndarray, cfg: KVarNConfig) -> tuple[torch.Tensor, torch.Tensor]:

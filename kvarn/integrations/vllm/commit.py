@@ -10,6 +10,7 @@ token rows into paged records, and the paged decode attention of the step's deco
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ...config import KVarNConfig
@@ -31,22 +32,33 @@ def launch_size(n: int, sizes: tuple[int, ...]) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def graph_sizes(vllm_config) -> tuple[int, ...]:
+    """vLLM's CUDA-graph sizes of this engine, ascending (none without graphs)."""
+    return tuple(sorted(vllm_config.compilation_config.cudagraph_capture_sizes or ()))
+
+
+def pad_commits(src: np.ndarray | None, dst: np.ndarray | None,
+                sizes: tuple[int, ...]) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """A commit list padded to :func:`launch_size` with entries of no tile (page -1); an empty or
+    absent one stays as it is (nothing is launched for it)."""
+    if src is None or not src.size:
+        return src, dst
+    pad = launch_size(src.size, sizes) - src.size
+    return (np.concatenate([src, np.zeros(pad, dtype=src.dtype)]),
+            np.concatenate([dst, np.full(pad, -1, dtype=dst.dtype)]))
+
+
 def commit_tiles(rows_k: torch.Tensor, rows_v: torch.Tensor, src: torch.Tensor | None, pages: torch.Tensor,
                  dst: torch.Tensor | None, cfg: KVarNConfig, kernels: str, static: bool,
-                 rotate: bool = False, sizes: tuple[int, ...] = ()) -> None:
+                 rotate: bool = False) -> None:
     """Encode the tiles of G token rows starting at ``src`` of ``rows_k``, ``rows_v`` ``[N, Hk, D]``
     into ``pages`` at ``dst`` (negative: none). ``static``: launch even when no entry is a tile (a
-    captured graph's launches are fixed; otherwise the Triton launch is padded to
-    :func:`launch_size` with entries of no tile); ``rotate``: the rows are in the model frame."""
+    captured graph's launches are fixed); ``rotate``: the rows are in the model frame."""
     if src is None or (not static and src.numel() == 0):
         return
     if kernels == "triton":
         from ...kernels.encode import encode_into_pages
 
-        pad = 0 if static else launch_size(src.numel(), sizes) - src.numel()
-        if pad:
-            src = torch.cat([src, src.new_zeros(pad)])
-            dst = torch.cat([dst, dst.new_full((pad,), -1)])
         encode_into_pages(rows_k, rows_v, src, pages, dst, cfg, rotate=rotate)
         return
     if kernels == "torch":
@@ -71,7 +83,7 @@ def commit_tiles(rows_k: torch.Tensor, rows_v: torch.Tensor, src: torch.Tensor |
 
 
 def decode_rows(q, stage_k, stage_v, pages, md, out, cfg: KVarNConfig, scale: float, max_tiles: int,
-                kernels: str, sizes: tuple[int, ...] = ()) -> None:
+                kernels: str) -> None:
     """One query token per decode row of ``md`` over [sink | records | tail], written to ``out``."""
     s = cfg.sink_tokens
     if kernels in ("triton", "torch") and (kernels == "triton" or q.is_cuda):
@@ -86,7 +98,7 @@ def decode_rows(q, stage_k, stage_v, pages, md, out, cfg: KVarNConfig, scale: fl
             paged_decode_attention(q[:r], *args, md.block_table[:r], md.dec_tiles, cfg, scale, out=out[:r], **kw)
         else:
             if kernels == "triton":  # planned as the graphs' launch of this many rows (:func:`launch_size`)
-                kw["plan_rows"] = launch_size(md.dec_slot.shape[0], sizes)
+                kw["plan_rows"] = md.dec_plan_rows
             o = paged_decode_attention(q.index_select(0, md.dec_tok), *args, md.block_table.index_select(0, md.dec_req),
                                        md.dec_tiles, cfg, scale, **kw)
             out.index_copy_(0, md.dec_tok, o.to(out.dtype))
@@ -106,4 +118,4 @@ def decode_rows(q, stage_k, stage_v, pages, md, out, cfg: KVarNConfig, scale: fl
     out.index_copy_(0, md.dec_tok, o.to(out.dtype))
 
 
-__all__ = ["commit_tiles", "decode_rows", "launch_size"]
+__all__ = ["commit_tiles", "decode_rows", "graph_sizes", "launch_size", "pad_commits"]

@@ -30,12 +30,14 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionType
 from ...cpu import numba_available
 from ...codec.hadamard import rotate
 from . import exact
-from .commit import commit_tiles, decode_rows, launch_size
+from .commit import commit_tiles, decode_rows, graph_sizes, launch_size
 from .hooks import install_hooks
 from .settings import settings_from_vllm_config
 from .staging import slot_tokens, staging_bytes
 
 logger = logging.getLogger(__name__)
+
+_WARM_COMMITS: set = set()  # (config, Hk, D, dtype, device, sizes, tiles) whose commit variants are compiled
 
 
 class KVarNAttentionImpl(AttentionImpl):
@@ -66,8 +68,7 @@ class KVarNAttentionImpl(AttentionImpl):
         self.spec_tokens = self.settings.spec_tokens(vllm_config)
         self.max_tiles = max(0, -(-vllm_config.model_config.max_model_len // self.config.tile)
                              - self.config.sink_tokens // self.config.tile)
-        # vLLM's graph sizes (ascending): eager launches are sized like the captured ones (:func:`.launch_size`)
-        self.launch_sizes = tuple(sorted(vllm_config.compilation_config.cudagraph_capture_sizes or ()))
+        self.launch_sizes = graph_sizes(vllm_config)  # the builder sizes eager launches by them
         self.max_step_tiles = -(-vllm_config.scheduler_config.max_num_batched_tokens // self.config.tile)
         self.stage: torch.Tensor | None = None  # [slots + 1, L, 2, Hk, D], rotated
         self._cache_ptr: int | None = None
@@ -153,7 +154,13 @@ class KVarNAttentionImpl(AttentionImpl):
     def _warm_up_commits(self, pages: torch.Tensor) -> None:
         """Compile every variant of the commit launches an eager step can make (both frames, each
         launch size's options) before any step is served: a Triton compile inside a step stalls
-        the whole batch for seconds. The launches have no tile to write (pages -1)."""
+        the whole batch for seconds. The launches have no tile to write (pages -1). Once per
+        process and shape: the layers share the variants."""
+        key = (self.config, self.num_kv_heads, self.head_size, self.stage.dtype, str(pages.device),
+               self.launch_sizes, self.max_step_tiles)
+        if key in _WARM_COMMITS:
+            return
+        _WARM_COMMITS.add(key)
         flat = self.stage.view(-1, 2, self.num_kv_heads, self.head_size)
         counts = set(self.launch_sizes) | {1 << i for i in range(self.max_step_tiles.bit_length() + 1)}
         dev = pages.device
@@ -178,8 +185,7 @@ class KVarNAttentionImpl(AttentionImpl):
         stage_k, stage_v = stage[:, :, 0], stage[:, :, 1]  # [slots + 1, L, Hk, D]
         t = md.num_tokens
         with record_function("kvarn.commit"):
-            commit_tiles(rows_k, rows_v, md.commit_src, pages, md.commit_dst, cfg, kernels, md.uniform,
-                         sizes=self.launch_sizes)
+            commit_tiles(rows_k, rows_v, md.commit_src, pages, md.commit_dst, cfg, kernels, md.uniform)
             if md.move_src is not None:
                 flat.index_copy_(0, md.move_dst, flat.index_select(0, md.move_src))
         with record_function("kvarn.stage"):
@@ -189,18 +195,15 @@ class KVarNAttentionImpl(AttentionImpl):
                 self._stage_rows(md.write_rows, k.index_select(0, md.write_tok), v.index_select(0, md.write_tok))
         if md.dec_rows:
             with record_function("kvarn.decode"):
-                decode_rows(q, stage_k, stage_v, pages, md, out, cfg, self.scale, self.max_tiles, kernels,
-                            self.launch_sizes)
+                decode_rows(q, stage_k, stage_v, pages, md, out, cfg, self.scale, self.max_tiles, kernels)
         if md.prefill:
             with record_function("kvarn.prefill"):
                 fa = self._fa_version(q)
                 exact.fresh(q, k, v, md.fresh, out, self.scale, fa)
                 exact.continued(q, k, v, md.continued, rows_k, rows_v, pages, cfg, out, self.scale, fa)
             with record_function("kvarn.commit"):
-                commit_tiles(rows_k, rows_v, md.post_src, pages, md.post_dst, cfg, kernels, False,
-                             sizes=self.launch_sizes)
-                commit_tiles(k, v, md.post_step_src, pages, md.post_step_dst, cfg, kernels, False, rotate=True,
-                             sizes=self.launch_sizes)
+                commit_tiles(rows_k, rows_v, md.post_src, pages, md.post_dst, cfg, kernels, False)
+                commit_tiles(k, v, md.post_step_src, pages, md.post_step_dst, cfg, kernels, False, rotate=True)
                 if md.late_rows is not None:
                     self._stage_rows(md.late_rows, k.index_select(0, md.late_tok), v.index_select(0, md.late_tok))
 
