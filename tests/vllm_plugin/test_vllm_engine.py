@@ -59,6 +59,10 @@ def test_engine_starts_with_the_kvarn_backend(llm):
     assert len(impls) == 30 and set(impls.values()) == {"KVarNAttentionImpl"}
     cache = llm.llm_engine.vllm_config.cache_config
     assert cache.block_size == PRESETS[PRESET].tile and not cache.enable_prefix_caching
+    # The staging is allocated when vLLM binds the KV cache, before any request (so vLLM's GPU
+    # graph-memory profile, which runs with a KV cache bound, cannot count it a second time).
+    for layer in _layers(llm):
+        assert layer.impl.stage is not None and layer.impl._cache_ptr == layer.kv_cache.data_ptr()
 
 
 def _reference_tokens(ids: list[int], n: int) -> list[int]:

@@ -1,9 +1,14 @@
 """Hooks into vLLM 0.32's worker process that the attention-backend API does not offer.
 
 1. **Budget.** The worker's ``determine_available_memory`` (the bytes vLLM sizes its KV block pool
-   from) is reduced by the staging every KVarN layer allocates at its first step (each impl's
-   ``kvarn_staging_bytes``). The staging is allocated after this call, so it is counted once, and
-   the capacity vLLM logs is what really remains for the paged records.
+   from) is reduced by the staging of every KVarN layer (each impl's ``kvarn_staging_bytes``).
+   ``GPUModelRunner.initialize_kv_cache`` allocates it as soon as vLLM binds KV-cache tensors
+   (each impl's ``kvarn_prepare``). vLLM's first KV cache is the minimal one of its CUDA-graph
+   memory profile, which runs after the memory vLLM counts as used was measured and measures the
+   graphs alone (free memory before and after each capture): a staging allocated inside a capture's
+   warm-up would be counted there too, and taken from the budget twice (16 GiB too many at 512
+   slots of an 8B model). So the staging is counted once, and the capacity vLLM logs is what
+   really remains for the paged records.
 2. **Rows and lifecycle.** ``GPUModelRunner._update_states`` (the CPU runner inherits it) receives
    the scheduler's ``finished_req_ids`` and ``preempted_req_ids``: every KVarN metadata builder
    frees their staging slots first (``kvarn_release``). After it has updated the persistent batch,
@@ -28,6 +33,8 @@ import functools
 import importlib
 import logging
 import sys
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +68,46 @@ def _patch_budget(worker_cls) -> None:
 
     determine_available_memory._kvarn = True
     worker_cls.determine_available_memory = determine_available_memory
+
+
+def _patch_kv_init(runner_cls) -> None:
+    original = runner_cls.initialize_kv_cache
+    if getattr(original, "_kvarn", False):
+        return
+
+    @functools.wraps(original)
+    def initialize_kv_cache(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        prepare_staging(self.compilation_config.static_forward_context, self.model_config.dtype)
+        return result
+
+    initialize_kv_cache._kvarn = True
+    runner_cls.initialize_kv_cache = initialize_kv_cache
+
+
+def prepare_staging(layers: dict, dtype) -> int:
+    """Every KVarN layer's staging for its bound KV cache (module docstring, 1); the bytes it holds.
+    Raises a clear error where the staging still to allocate exceeds the device's free memory."""
+    bound = []
+    for layer in layers.values():
+        impl, kv_cache = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
+        if not hasattr(impl, "kvarn_prepare") or not impl.kvarn_staging_bytes(dtype):
+            continue  # not KVarN, or a sliding-window layer (no staging)
+        if isinstance(kv_cache, torch.Tensor) and kv_cache.numel():
+            bound.append((impl, kv_cache))
+    missing = sum(impl.kvarn_staging_bytes(dtype) for impl, _ in bound if impl.stage is None)
+    if missing and bound[0][1].is_cuda:
+        free = torch.cuda.mem_get_info(bound[0][1].device)[0]
+        if missing > free:
+            impl = bound[0][0]
+            raise ValueError(f"kvarn: the fp staging ({missing / 2**20:.0f} MiB for {impl.slots} request slots, "
+                             f"one per max_num_seqs) does not fit in the {free / 2**20:.0f} MiB of free device "
+                             "memory; lower max_num_seqs")
+    held = 0
+    for impl, kv_cache in bound:
+        stage = impl.kvarn_prepare(kv_cache, dtype)
+        held += stage.numel() * stage.element_size()
+    return held
 
 
 def _kvarn_builders(runner):
@@ -98,6 +145,7 @@ def install_hooks(vllm_config) -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     _patch_lifecycle(GPUModelRunner)
+    _patch_kv_init(GPUModelRunner)
     path = getattr(vllm_config.parallel_config, "worker_cls", None)
     if isinstance(path, str) and "." in path:
         module, name = path.rsplit(".", 1)

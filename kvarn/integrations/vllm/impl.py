@@ -129,26 +129,40 @@ class KVarNAttentionImpl(AttentionImpl):
             self._forward_kvarn(q, k, v, kv_cache, attn_metadata, out)
         return output
 
-    def _staging(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.stage is None or self._cache_ptr != kv_cache.data_ptr():
-            # Zeros: the trash slot and unwritten rows stay finite.
-            length = slot_tokens(self.config, self.spec_tokens)
-            self.stage = torch.zeros((self.slots + 1, length, 2, self.num_kv_heads, self.head_size), dtype=dtype,
-                                     device=kv_cache.device)
-            self._cache_ptr = kv_cache.data_ptr()
-            if kv_cache.is_cuda:  # the decode launches' merge counters, before any graph captures them
-                from ...kernels.decode_plan import BLOCK_N, MAX_SPLITS, MERGE_GROUP, merge_counters
+    def kvarn_prepare(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This layer's staging for ``kv_cache``: allocated once (zeros: the trash slot and unwritten
+        rows stay finite), zeroed when vLLM creates a new KV cache (its profiling cache, then the
+        served one: no request state carries over), and on CUDA the decode's merge counters and the
+        commit variants made ready. Idempotent.
 
-                # Per (row, KV head): one counter per merge group of the most splits a launch plans
-                # (tile splits, and one fp split per 32-token block of a slot at most), and one more.
-                splits = MAX_SPLITS + -(-length // BLOCK_N.value)
-                groups = -(-splits // MERGE_GROUP.value)
-                merge_counters((self.slots + 1) * self.num_kv_heads * (1 + groups), kv_cache.device)
-                if self._resolve_kernels(kv_cache) == "triton":
-                    self._warm_up_commits(kv_cache.view(torch.uint8)[:, :, 0])
+        The worker hook calls this as soon as vLLM binds KV-cache tensors (:mod:`.hooks`), outside
+        any graph capture: vLLM's CUDA-graph memory profile then runs with the staging already in
+        place and does not count it a second time beside the reserve taken out of the KV budget.
+        The layer calls it at every step too, for engines the hook does not reach."""
+        shape = (self.slots + 1, slot_tokens(self.config, self.spec_tokens), 2, self.num_kv_heads, self.head_size)
+        st = self.stage
+        if st is None or st.shape != shape or st.dtype != dtype or st.device != kv_cache.device:
+            self.stage = None  # the old buffer is freed before the new one is allocated
+            self.stage = torch.zeros(shape, dtype=dtype, device=kv_cache.device)
+            self._cache_ptr = kv_cache.data_ptr()
             # Per layer, so debug: the worker logs the reserve of all layers once (:mod:`.hooks`).
             logger.debug("kvarn staging: %d request slots, %.1f MiB per layer (inside the KV budget)",
-                        self.slots, self.kvarn_staging_bytes(dtype) / 2**20)
+                         self.slots, self.kvarn_staging_bytes(dtype) / 2**20)
+        elif self._cache_ptr != kv_cache.data_ptr():
+            self.stage.zero_()
+            self._cache_ptr = kv_cache.data_ptr()
+        else:
+            return self.stage
+        if kv_cache.is_cuda:  # the decode launches' merge counters, before any graph captures them
+            from ...kernels.decode_plan import BLOCK_N, MAX_SPLITS, MERGE_GROUP, merge_counters
+
+            # Per (row, KV head): one counter per merge group of the most splits a launch plans
+            # (tile splits, and one fp split per 32-token block of a slot at most), and one more.
+            splits = MAX_SPLITS + -(-shape[1] // BLOCK_N.value)
+            groups = -(-splits // MERGE_GROUP.value)
+            merge_counters((self.slots + 1) * self.num_kv_heads * (1 + groups), kv_cache.device)
+            if self._resolve_kernels(kv_cache) == "triton":
+                self._warm_up_commits(kv_cache.view(torch.uint8)[:, :, 0])
         return self.stage
 
     def _warm_up_commits(self, pages: torch.Tensor) -> None:
@@ -178,7 +192,7 @@ class KVarNAttentionImpl(AttentionImpl):
     def _forward_kvarn(self, q, k, v, kv_cache, md, out) -> None:
         cfg, hk, d = self.config, self.num_kv_heads, self.head_size
         pages = kv_cache.view(torch.uint8)[:, :, 0]  # [num_blocks, Hk, record_bytes]
-        stage = self._staging(kv_cache, k.dtype)
+        stage = self.kvarn_prepare(kv_cache, k.dtype)
         kernels = self._resolve_kernels(q)
         flat = stage.view(-1, 2, hk, d)
         rows_k, rows_v = flat[:, 0], flat[:, 1]  # [slots' rows, Hk, D]
