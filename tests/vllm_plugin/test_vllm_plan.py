@@ -186,6 +186,22 @@ def test_eager_launches_take_the_graph_sizes_then_powers_of_two():
     assert [launch_size(n, ()) for n in (1, 2, 3, 64, 65)] == [1, 2, 4, 64, 128]
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_an_eager_steps_index_arrays_each_start_16_byte_aligned(dtype):
+    # Triton specializes pointers on 16-byte alignment: an unaligned view compiles a new variant mid-step.
+    from kvarn.integrations.vllm.commit import pack_aligned
+
+    rng = np.random.default_rng(0)
+    arrays = {f"a{i}": rng.integers(-5, 1000, size=n) for i, n in enumerate([1, 3, 2, 5, 8, 7, 1])}
+    packed, where = pack_aligned(arrays, dtype)
+    assert packed.dtype == dtype and list(where) == list(arrays)
+    for k, a in arrays.items():
+        assert where[k].start * packed.itemsize % 16 == 0
+        assert np.array_equal(packed[where[k]], a)
+    ends = sorted((w.start, w.stop) for w in where.values())
+    assert all(stop <= nxt for (_, stop), (nxt, _) in zip(ends, ends[1:]))  # no overlap
+
+
 def test_pool_gives_every_running_request_a_slot_and_reuses_freed_ones():
     pool = StagingPool(2, CFG)
     a, b = pool.slots_for(["a", "b"]).tolist()

@@ -39,7 +39,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ...config import PRESETS, KVarNConfig, supported_head_dims
 from . import exact
-from .commit import graph_sizes, launch_size, pad_commits
+from .commit import aligned_offsets, graph_sizes, launch_size, pack_aligned, pad_commits
 from .hooks import install_hooks
 from .impl import KVarNAttentionImpl
 from .plan import PrefillRow, StepPlan, build_plan, padding_plan
@@ -125,7 +125,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata | WindowMetada
         self._rows: tuple[list[str], np.ndarray] | None = None
         max_rows, max_tokens = sched.max_num_seqs, max(sched.max_num_batched_tokens, sched.max_num_seqs)
         # Persistent device buffers of the one-token decode steps (the graphs read them in place).
-        self._meta = torch.zeros(6 * max_rows, dtype=torch.int32, device=device)
+        self._meta = torch.zeros(6 * aligned_offsets([max_rows], 4)[1], dtype=torch.int32, device=device)
         self._write = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         # Eager launches are sized like the captured ones (:func:`.commit.launch_size`): no Triton
         # compile of a new variant inside a step.
@@ -171,29 +171,30 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata | WindowMetada
         return t if self.device.type == "cpu" else t.pin_memory()
 
     def _upload(self, arrays: dict[str, np.ndarray | None], dtype) -> dict[str, torch.Tensor | None]:
-        """The arrays on the device, in one host-to-device copy (views of one buffer); None or
-        empty ones stay None."""
-        live = {k: np.asarray(a).reshape(-1) for k, a in arrays.items() if a is not None and np.size(a)}
+        """The arrays on the device, in one host-to-device copy (views of one buffer, each 16-byte
+        aligned: :func:`.commit.aligned_offsets`); None or empty ones stay None."""
+        live = {k: a for k, a in arrays.items() if a is not None and np.size(a)}
         out: dict[str, torch.Tensor | None] = {k: None for k in arrays}
         if not live:
             return out
-        flat = self._host(np.concatenate(list(live.values())).astype(dtype)).to(self.device, non_blocking=True)
-        offset = 0
-        for k, a in live.items():
-            out[k] = flat[offset:offset + a.size]
-            offset += a.size
+        packed, where = pack_aligned(live, dtype)
+        flat = self._host(packed).to(self.device, non_blocking=True)
+        out.update({k: flat[part] for k, part in where.items()})
         return out
 
     def _to_device(self, plan: StepPlan, cam: CommonAttentionMetadata, bt: np.ndarray | None) -> KVarNMetadata:
         n = plan.dec_slot.shape[0]
         if plan.uniform and self.device.type != "cpu":  # into the persistent buffers, at offsets fixed by the row count
-            packed = np.concatenate([plan.commit_src, plan.commit_dst, plan.dec_slot, plan.dec_sink,
-                                     plan.dec_tail, plan.dec_tiles]).astype(np.int32)
+            fields = (plan.commit_src, plan.commit_dst, plan.dec_slot, plan.dec_sink, plan.dec_tail, plan.dec_tiles)
+            width = aligned_offsets([n], 4)[1]  # each part 16-byte aligned, as in eager steps
+            packed = np.zeros((6, width), dtype=np.int32)
+            for row, a in zip(packed, fields):
+                row[:n] = a
             meta = self._meta[: packed.size]
-            meta.copy_(self._host(packed), non_blocking=True)
+            meta.copy_(self._host(packed.reshape(-1)), non_blocking=True)
             write = self._write[: plan.num_tokens]
             write.copy_(self._host(plan.write_rows), non_blocking=True)
-            parts = meta.view(6, -1)
+            parts = meta.view(6, width)[:, :n]
             return KVarNMetadata(
                 num_tokens=plan.num_tokens, uniform=True, commit_src=parts[0], commit_dst=parts[1],
                 move_src=None, move_dst=None, write_rows=write, write_tok=None, dec_rows=n, dec_tok=None, dec_req=None,

@@ -32,6 +32,32 @@ def launch_size(n: int, sizes: tuple[int, ...]) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def aligned_offsets(sizes: list[int], itemsize: int) -> list[int]:
+    """Where arrays of ``sizes`` elements of ``itemsize`` bytes start when packed into one buffer,
+    each 16-byte aligned, then the buffer's length. Triton specializes a pointer argument on
+    whether it is 16-byte aligned: views of one upload at arbitrary offsets would launch other
+    variants than the captured steps' aligned buffers, each compiled inside a served step."""
+    step = max(1, 16 // itemsize)
+    starts, pos = [], 0
+    for n in sizes:
+        starts.append(pos)
+        pos += -(-n // step) * step
+    return starts + [pos]
+
+
+def pack_aligned(arrays: dict[str, np.ndarray], dtype) -> tuple[np.ndarray, dict[str, slice]]:
+    """``arrays`` (flattened, cast to ``dtype``) in one buffer, each at a 16-byte aligned start
+    (:func:`aligned_offsets`, zeros between them), and the slice of each."""
+    flat = [np.asarray(a, dtype=dtype).reshape(-1) for a in arrays.values()]
+    starts = aligned_offsets([a.size for a in flat], np.dtype(dtype).itemsize)
+    packed = np.zeros(starts[-1], dtype=dtype)
+    where = {}
+    for k, a, start in zip(arrays, flat, starts):
+        packed[start:start + a.size] = a
+        where[k] = slice(start, start + a.size)
+    return packed, where
+
+
 def graph_sizes(vllm_config) -> tuple[int, ...]:
     """vLLM's CUDA-graph sizes of this engine, ascending (none without graphs)."""
     return tuple(sorted(vllm_config.compilation_config.cudagraph_capture_sizes or ()))
@@ -118,4 +144,5 @@ def decode_rows(q, stage_k, stage_v, pages, md, out, cfg: KVarNConfig, scale: fl
     out.index_copy_(0, md.dec_tok, o.to(out.dtype))
 
 
-__all__ = ["commit_tiles", "decode_rows", "graph_sizes", "launch_size", "pad_commits"]
+__all__ = ["aligned_offsets", "commit_tiles", "decode_rows", "graph_sizes", "launch_size", "pack_aligned",
+           "pad_commits"]
