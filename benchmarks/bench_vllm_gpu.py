@@ -6,16 +6,17 @@ in its own subprocess, backends alternated within each engine configuration, the
 Scenarios (``--scenarios``; sizes with ``--sizes name=REQUESTSxPROMPT+NEW``):
 
 - ``equal_load``: 64 requests x (2000 + 256), ``max_num_seqs`` 64;
-- ``reasoning``: short prompts, long generations: 64 x (256 + 2048), ``max_num_seqs`` 64;
+- ``reasoning``: short prompts, long generations: 64 x (256 + 4096), ``max_num_seqs`` 64;
 - ``at_capacity``: 512 x (256 + 2048), ``max_num_seqs`` 512: more requests than the default holds.
 
 Per row: requests finished, output tokens/s over the timed ``generate`` (prefill included; one
 untimed warm-up of prompts past the first tile first), the KV capacity vLLM reports (tokens; for KVarN with its fp staging counted
 in the budget), and the most requests running at once (vLLM's ``num_requests_running`` gauge,
-polled). Also: greedy tokens and log-probabilities of the first ``--logprob-steps`` steps of 8
+polled), and the kernel compiles vLLM's JIT monitor reported inside the timed window (each stalls
+every running request for seconds; the warm-up should leave none). Also: greedy tokens and log-probabilities of the first ``--logprob-steps`` steps of 8
 prompts against the default backend, and (``--spec``) KVarN with vLLM's ngram speculative decoding
 against KVarN without it, token for token. An engine that dies is a row with ``error`` and counts
-in ``engine_deaths``.
+in ``engine_deaths``. Each engine's log is kept (``--logs``).
 
 Run it on the GPU machine with vLLM staged (``../shared/tools/vllm_gpu/README.md``):
 
@@ -23,7 +24,8 @@ Run it on the GPU machine with vLLM staged (``../shared/tools/vllm_gpu/README.md
 
 A run too long for one device call splits over consecutive calls of one machine, each merging into
 ``--out`` with ``--append`` (a row replaces the earlier row of its scenario and backend), e.g. the
-default backend (``--presets`` with no name), then each preset with ``--skip-default``.
+default backend (``--presets`` with no name), then each preset with ``--skip-default``; with no
+``--scenarios``, ``--spec`` alone against the probe an earlier call stored.
 
 Prints a Markdown table and writes JSON; asserts nothing; not run by CI.
 """
@@ -48,11 +50,27 @@ LLAMA_8B = {
 }
 SCENARIOS = {  # name: (requests, prompt tokens, new tokens, max_num_seqs)
     "equal_load": (64, 2000, 256, 64),
-    "reasoning": (64, 256, 2048, 64),
+    "reasoning": (64, 256, 4096, 64),
     "at_capacity": (512, 256, 2048, 512),
 }
 PROBE = (8, 300, 48)  # prompts, prompt tokens, new tokens: logprobs and speculative decoding
 WARM = (4, 600, 8)  # the warm-up: past the sink and the first tile
+TIMED = "KVARN_BENCH_TIMED"  # marks a timed window in an engine's log
+JIT_IN_SERVICE = "during inference"  # vLLM's JIT monitor: a kernel compiled after the engine's warm-up
+
+
+def compiles_in_timed_windows(log: str) -> dict[str, int]:
+    """Per scenario, the kernel compiles vLLM's JIT monitor reported inside its timed window (each
+    variant is reported once per process)."""
+    counts, current = {}, None
+    for line in log.splitlines():
+        if line.startswith(TIMED):
+            _, what, name = line.split()
+            current = name if what == "start" else None
+            counts.setdefault(name, 0)
+        elif current is not None and JIT_IN_SERVICE in line:
+            counts[current] += 1
+    return counts
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -102,9 +120,11 @@ def worker(spec: dict) -> dict:
         running, stop = [0], threading.Event()
         poller = threading.Thread(target=_poll_running, args=(llm, stop, running), daemon=True)
         poller.start()
+        print(f"{TIMED} start {name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         outs = llm.generate(batch, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
+        print(f"{TIMED} end {name}", file=sys.stderr, flush=True)
         stop.set()
         poller.join()
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -122,14 +142,28 @@ def worker(spec: dict) -> dict:
     return result
 
 
-def run_engine(spec: dict, timeout: int) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True, text=True,
-                          timeout=timeout)
-    line = next((x for x in reversed(proc.stdout.splitlines()) if x.startswith("RESULT ")), None)
-    sys.stderr.write(proc.stderr[-4000:] if line is None else "")
+def run_engine(spec: dict, timeout: int, logs: Path) -> dict:
+    """One engine in a subprocess; its log (stderr) kept at ``logs``, its compiles in service counted."""
+    name = f"{spec['backend'].replace(':', '_')}_{spec['max_num_seqs']}{'_spec' if spec.get('spec_decode') else ''}"
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,
+                              text=True, timeout=timeout)
+        stdout, stderr = proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        stdout = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        stderr = ((e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + \
+            f"\nkilled after {timeout} s"
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / f"{name}.log").write_text(stderr)
+    line = next((x for x in reversed(stdout.splitlines()) if x.startswith("RESULT ")), None)
     if line is None:
-        return {"backend": spec["backend"], "error": proc.stderr[-2000:], "rows": [], "probe": None}
-    return json.loads(line[len("RESULT "):])
+        sys.stderr.write(stderr[-4000:])
+        return {"backend": spec["backend"], "error": stderr[-2000:], "rows": [], "probe": None}
+    result = json.loads(line[len("RESULT "):])
+    compiles = compiles_in_timed_windows(stderr)
+    for row in result["rows"]:
+        row["compiles_in_service"] = compiles.get(row["scenario"], 0)
+    return result
 
 
 def compare_probe(ref, got, steps: int) -> dict:
@@ -144,18 +178,19 @@ def compare_probe(ref, got, steps: int) -> dict:
             "max_abs_logprob_diff": max(diffs) if diffs else None}
 
 
-def merge(old: dict, rows: list, probes: dict, deaths: int) -> tuple[list, dict, int]:
+def merge(old: dict, rows: list, probes: dict) -> tuple[list, dict]:
     """This call's rows and probes over an earlier call's JSON: a row replaces the earlier one of its
     (scenario, backend) pair; the others stay."""
     ran = {(r.get("scenario"), r["backend"]) for r in rows}
     kept = [r for r in old.get("rows", []) if (r.get("scenario"), r["backend"]) not in ran]
-    return kept + rows, {**old.get("probes", {}), **probes}, deaths + old.get("engine_deaths", 0)
+    return kept + rows, {**old.get("probes", {}), **probes}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=list(SCENARIOS))
+    ap.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), choices=list(SCENARIOS),
+                    help="none: only --spec, against the probe of an earlier call's --out (with --append)")
     ap.add_argument("--presets", nargs="*", default=["k4v2_g128", "k2v2_g128"], help="none: the default backend only")
     ap.add_argument("--sizes", nargs="*", default=[], help="override, e.g. reasoning=64x256+1024")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -163,6 +198,7 @@ def main() -> None:
     ap.add_argument("--spec", action="store_true", help="also KVarN with ngram speculative decoding")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per engine")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_gpu.json"))
+    ap.add_argument("--logs", type=Path, default=None, help="each engine's log (default: a temporary folder)")
     ap.add_argument("--append", action="store_true",
                     help="keep --out's rows of other (scenario, backend) pairs and its probes: a run split over "
                          "calls of one machine")
@@ -185,6 +221,9 @@ def main() -> None:
     (folder / "config.json").write_text(json.dumps(LLAMA_8B))
     if args.skip_default and not args.presets:
         ap.error("--skip-default with no --presets runs nothing")
+    if not args.scenarios and not (args.spec and args.append and args.presets):
+        ap.error("no --scenarios runs only --spec, which needs --append (the probe without it) and a preset")
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="bench_vllm_gpu_logs_"))
     if args.skip_default and not args.append:
         ap.error("--skip-default needs --append: the default backend's rows come from an earlier call's --out")
     kvarn_backends = [f"kvarn:{p}" for p in args.presets]
@@ -192,15 +231,14 @@ def main() -> None:
     configs = {}  # max_num_seqs -> scenarios
     for name in args.scenarios:
         configs.setdefault(sizes[name][3], []).append(name)
-    rows, capacity, probes, deaths = [], {}, {}, 0
+    rows, capacity, probes = [], {}, {}
     for seqs, names in sorted(configs.items()):
         longest = max(sizes[n][1] + sizes[n][2] for n in names)
         for backend in backends:
             spec = {"model": str(folder), "backend": backend, "scenarios": names, "sizes": sizes,
                     "max_num_seqs": seqs, "max_model_len": max(longest, sum(PROBE[1:]), sum(WARM[1:])) + 16,
                     "gpu_memory_utilization": args.gpu_memory_utilization, "probe": seqs == min(configs)}
-            res = run_engine(spec, args.timeout)
-            deaths += "error" in res
+            res = run_engine(spec, args.timeout, logs)
             capacity[(backend, seqs)] = res.get("kv_capacity_tokens")
             for r in res["rows"]:
                 rows.append({**r, "backend": backend, "max_num_seqs": seqs,
@@ -211,19 +249,18 @@ def main() -> None:
                 rows.append({"scenario": ",".join(names), "backend": backend, "error": res["error"][-500:]})
             args.out.parent.mkdir(parents=True, exist_ok=True)
             partial = args.out.with_suffix(".partial.json")  # what a call cut short leaves
-            partial.write_text(json.dumps({"partial": True, "rows": rows, "engine_deaths": deaths}, indent=1))
+            partial.write_text(json.dumps({"partial": True, "rows": rows}, indent=1))
     if old:
-        rows, probes, deaths = merge(old, rows, probes, deaths)
+        rows, probes = merge(old, rows, probes)
     logprobs = {b: compare_probe(probes["default"], p, args.logprob_steps)
                 for b, p in probes.items() if b != "default" and "default" in probes}
     spec_result = None
     if args.spec and kvarn_backends:
-        seqs = min(configs)
+        seqs = min(configs) if configs else SCENARIOS["equal_load"][3]
         base = {"model": str(folder), "backend": kvarn_backends[0], "scenarios": [], "sizes": sizes, "max_num_seqs": seqs,
-                "max_model_len": sum(PROBE[1:]) + 16, "gpu_memory_utilization": args.gpu_memory_utilization,
-                "probe": True}
-        res = run_engine({**base, "spec_decode": True}, args.timeout)
-        deaths += "error" in res
+                "max_model_len": max(sum(PROBE[1:]), sum(WARM[1:])) + 16,
+                "gpu_memory_utilization": args.gpu_memory_utilization, "probe": True}
+        res = run_engine({**base, "spec_decode": True}, args.timeout, logs)
         if res.get("probe") and kvarn_backends[0] in probes:
             spec_result = {"backend": kvarn_backends[0], **compare_probe(probes[kvarn_backends[0]], res["probe"], 0)}
         else:
@@ -239,23 +276,26 @@ def main() -> None:
             "gpu_memory_utilization": args.gpu_memory_utilization, "date": time.strftime("%Y-%m-%d")}
     if old and spec_result is None:
         spec_result = old.get("spec_decode")
+    # An engine that failed is a row with an error (or the speculative run's error).
+    deaths = sum("error" in r for r in rows) + bool(spec_result and "error" in spec_result)
     out = {"meta": meta, "rows": rows, "logprobs": logprobs, "spec_decode": spec_result, "engine_deaths": deaths,
            "probes": probes}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     print(f"{meta['device']}, vLLM {meta['vllm']}, {meta['mode']}\n")
-    print("| scenario | backend | requests | finished | tokens/s | vs default | KV capacity (tokens) | vs default | max running |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| scenario | backend | requests | finished | tokens/s | vs default | KV capacity (tokens) | vs default | "
+          "max running | compiles in service |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "tokens_per_s" not in r:
-            print(f"| {r['scenario']} | {r['backend']} | error: engine died | | | | | | |")
+            print(f"| {r['scenario']} | {r['backend']} | error: engine died | | | | | | | |")
             continue
         print(f"| {r['scenario']} | {r['backend']} | {r['requests']} x ({r['prompt_tokens']} + {r['new_tokens']}) | "
               f"{r['finished']} | {r['tokens_per_s']:.0f} | {r.get('vs_default', 1):.2f}x | {r['kv_capacity_tokens']} | "
-              f"{r.get('capacity_vs_default', 1):.2f}x | {r['max_running']} |")
+              f"{r.get('capacity_vs_default', 1):.2f}x | {r['max_running']} | {r.get('compiles_in_service', '-')} |")
     print(f"\nlogprobs vs default (first {args.logprob_steps} steps): {json.dumps(logprobs)}")
     print(f"speculative decoding (ngram, 4 tokens) vs none: {json.dumps(spec_result)}")
-    print(f"engine deaths: {deaths}")
+    print(f"engine deaths: {deaths}; engine logs: {logs}")
 
 
 if __name__ == "__main__":
