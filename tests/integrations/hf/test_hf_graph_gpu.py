@@ -141,6 +141,7 @@ def test_captured_kvarn_decode_matches_eager(model, preset):
     assert_same_decoding(*out["cuda"], *out["none"])
 
 
+@pytest.mark.slow  # the kvarn-auto case below runs this path (sink filled while decoding, short captured tail)
 def test_captured_decode_after_a_prompt_shorter_than_the_sink(model):
     """A 30-token prompt: the sink fills during decoding (host-plan steps), then the steady steps
     are captured with a tail of a token or two, and a tile freezes in a replay. The tail buffer the
