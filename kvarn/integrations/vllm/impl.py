@@ -77,7 +77,7 @@ class KVarNAttentionImpl(AttentionImpl):
         install_hooks(vllm_config)
 
     def kvarn_staging_bytes(self, dtype: torch.dtype) -> int:
-        """Staging this layer allocates at its first step (0 for sliding-window layers)."""
+        """Staging this layer holds once vLLM binds its KV cache (0 for sliding-window layers)."""
         if self.sliding_window is not None:
             return 0
         return staging_bytes(self.slots, self.config, self.spec_tokens, self.num_kv_heads, self.head_size, dtype)
