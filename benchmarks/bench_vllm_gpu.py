@@ -16,7 +16,7 @@ polled), and the kernel compiles vLLM's JIT monitor reported inside the timed wi
 every running request for seconds; the warm-up should leave none). Also: greedy tokens and log-probabilities of the first ``--logprob-steps`` steps of 8
 prompts against the default backend, and (``--spec``) KVarN with vLLM's ngram speculative decoding
 against KVarN without it, token for token. An engine that dies is a row with ``error`` and counts
-in ``engine_deaths``. Each engine's log is kept (``--logs``).
+in ``engine_deaths``. Each engine's log and the probes' raw tokens are kept in ``--logs``.
 
 Run it on the GPU machine with vLLM staged (``../shared/tools/vllm_gpu/README.md``):
 
@@ -178,12 +178,11 @@ def compare_probe(ref, got, steps: int) -> dict:
             "max_abs_logprob_diff": max(diffs) if diffs else None}
 
 
-def merge(old: dict, rows: list, probes: dict) -> tuple[list, dict]:
-    """This call's rows and probes over an earlier call's JSON: a row replaces the earlier one of its
+def merge(old: dict, rows: list) -> list:
+    """This call's rows over an earlier call's JSON: a row replaces the earlier one of its
     (scenario, backend) pair; the others stay."""
     ran = {(r.get("scenario"), r["backend"]) for r in rows}
-    kept = [r for r in old.get("rows", []) if (r.get("scenario"), r["backend"]) not in ran]
-    return kept + rows, {**old.get("probes", {}), **probes}
+    return [r for r in old.get("rows", []) if (r.get("scenario"), r["backend"]) not in ran] + rows
 
 
 def main() -> None:
@@ -198,9 +197,10 @@ def main() -> None:
     ap.add_argument("--spec", action="store_true", help="also KVarN with ngram speculative decoding")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per engine")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_gpu.json"))
-    ap.add_argument("--logs", type=Path, default=None, help="each engine's log (default: a temporary folder)")
+    ap.add_argument("--logs", type=Path, default=Path(tempfile.gettempdir()) / "bench_vllm_gpu",
+                    help="each engine's log and the probes' tokens (--append reads the probes of earlier calls here)")
     ap.add_argument("--append", action="store_true",
-                    help="keep --out's rows of other (scenario, backend) pairs and its probes: a run split over "
+                    help="keep --out's rows of other (scenario, backend) pairs and --logs' probes: a run split over "
                          "calls of one machine")
     ap.add_argument("--skip-default", action="store_true", help="run only the kvarn presets (with --append)")
     args = ap.parse_args()
@@ -223,7 +223,7 @@ def main() -> None:
         ap.error("--skip-default with no --presets runs nothing")
     if not args.scenarios and not (args.spec and args.append and args.presets):
         ap.error("no --scenarios runs only --spec, which needs --append (the probe without it) and a preset")
-    logs = args.logs or Path(tempfile.mkdtemp(prefix="bench_vllm_gpu_logs_"))
+    logs = args.logs
     if args.skip_default and not args.append:
         ap.error("--skip-default needs --append: the default backend's rows come from an earlier call's --out")
     kvarn_backends = [f"kvarn:{p}" for p in args.presets]
@@ -247,11 +247,14 @@ def main() -> None:
                 probes[backend] = res["probe"]
             if "error" in res:
                 rows.append({"scenario": ",".join(names), "backend": backend, "error": res["error"][-500:]})
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            partial = args.out.with_suffix(".partial.json")  # what a call cut short leaves
-            partial.write_text(json.dumps({"partial": True, "rows": rows}, indent=1))
+            logs.mkdir(parents=True, exist_ok=True)  # what a call cut short leaves: the rows so far
+            (logs / "partial.json").write_text(json.dumps({"partial": True, "rows": rows}, indent=1))
     if old:
-        rows, probes = merge(old, rows, probes)
+        rows = merge(old, rows)
+        stored = logs / "probes.json"
+        probes = {**(json.loads(stored.read_text()) if stored.exists() else {}), **probes}
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / "probes.json").write_text(json.dumps(probes))
     logprobs = {b: compare_probe(probes["default"], p, args.logprob_steps)
                 for b, p in probes.items() if b != "default" and "default" in probes}
     spec_result = None
@@ -279,7 +282,7 @@ def main() -> None:
     # An engine that failed is a row with an error (or the speculative run's error).
     deaths = sum("error" in r for r in rows) + bool(spec_result and "error" in spec_result)
     out = {"meta": meta, "rows": rows, "logprobs": logprobs, "spec_decode": spec_result, "engine_deaths": deaths,
-           "probes": probes}
+           }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     print(f"{meta['device']}, vLLM {meta['vllm']}, {meta['mode']}\n")
