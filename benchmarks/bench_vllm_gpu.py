@@ -149,10 +149,9 @@ def run_engine(spec: dict, timeout: int, logs: Path) -> dict:
         proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], capture_output=True,
                               text=True, timeout=timeout)
         stdout, stderr = proc.stdout, proc.stderr
-    except subprocess.TimeoutExpired as e:
-        stdout = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        stderr = ((e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + \
-            f"\nkilled after {timeout} s"
+    except subprocess.TimeoutExpired as e:  # its streams may be bytes even with text=True
+        text = (lambda x: x.decode() if isinstance(x, bytes) else (x or ""))
+        stdout, stderr = text(e.stdout), text(e.stderr) + f"\nkilled after {timeout} s"
     logs.mkdir(parents=True, exist_ok=True)
     (logs / f"{name}.log").write_text(stderr)
     line = next((x for x in reversed(stdout.splitlines()) if x.startswith("RESULT ")), None)

@@ -46,6 +46,9 @@ from .plan import PrefillRow, StepPlan, build_plan, padding_plan
 from .settings import DEFAULT_PRESET, kv_cache_dtype_names, settings_from_vllm_config
 from .staging import StagingPool
 
+# A one-token decode step's index arrays, one entry per row, in the builder's persistent buffer.
+_GRAPH_FIELDS = ("commit_src", "commit_dst", "dec_slot", "dec_sink", "dec_tail", "dec_tiles")
+
 
 @dataclass
 class WindowMetadata:
@@ -125,7 +128,8 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata | WindowMetada
         self._rows: tuple[list[str], np.ndarray] | None = None
         max_rows, max_tokens = sched.max_num_seqs, max(sched.max_num_batched_tokens, sched.max_num_seqs)
         # Persistent device buffers of the one-token decode steps (the graphs read them in place).
-        self._meta = torch.zeros(6 * aligned_offsets([max_rows], 4)[1], dtype=torch.int32, device=device)
+        self._meta = torch.zeros(len(_GRAPH_FIELDS) * aligned_offsets([max_rows], 4)[1], dtype=torch.int32,
+                                 device=device)
         self._write = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         # Eager launches are sized like the captured ones (:func:`.commit.launch_size`): no Triton
         # compile of a new variant inside a step.
@@ -185,21 +189,16 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata | WindowMetada
     def _to_device(self, plan: StepPlan, cam: CommonAttentionMetadata, bt: np.ndarray | None) -> KVarNMetadata:
         n = plan.dec_slot.shape[0]
         if plan.uniform and self.device.type != "cpu":  # into the persistent buffers, at offsets fixed by the row count
-            fields = (plan.commit_src, plan.commit_dst, plan.dec_slot, plan.dec_sink, plan.dec_tail, plan.dec_tiles)
-            width = aligned_offsets([n], 4)[1]  # each part 16-byte aligned, as in eager steps
-            packed = np.zeros((6, width), dtype=np.int32)
-            for row, a in zip(packed, fields):
-                row[:n] = a
+            # Each field 16-byte aligned, as in eager steps; offsets fixed by the row count.
+            packed, where = pack_aligned({k: getattr(plan, k) for k in _GRAPH_FIELDS}, np.int32)
             meta = self._meta[: packed.size]
-            meta.copy_(self._host(packed.reshape(-1)), non_blocking=True)
+            meta.copy_(self._host(packed), non_blocking=True)
             write = self._write[: plan.num_tokens]
             write.copy_(self._host(plan.write_rows), non_blocking=True)
-            parts = meta.view(6, width)[:, :n]
             return KVarNMetadata(
-                num_tokens=plan.num_tokens, uniform=True, commit_src=parts[0], commit_dst=parts[1],
-                move_src=None, move_dst=None, write_rows=write, write_tok=None, dec_rows=n, dec_tok=None, dec_req=None,
-                dec_slot=parts[2], dec_sink=parts[3], dec_tail=parts[4], dec_tiles=parts[5],
-                block_table=cam.block_table_tensor, prefill=[])
+                num_tokens=plan.num_tokens, uniform=True, move_src=None, move_dst=None, write_rows=write,
+                write_tok=None, dec_rows=n, dec_tok=None, dec_req=None, block_table=cam.block_table_tensor,
+                prefill=[], **{k: meta[part] for k, part in where.items()})
         # Eager steps: every index array of the step in two copies (int32 for the kernels and
         # FlashAttention's boundaries, int64 for torch's index ops).
         fr, co = plan.fresh, plan.continued

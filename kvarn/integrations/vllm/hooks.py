@@ -85,29 +85,24 @@ def _patch_kv_init(runner_cls) -> None:
     runner_cls.initialize_kv_cache = initialize_kv_cache
 
 
-def prepare_staging(layers: dict, dtype) -> int:
-    """Every KVarN layer's staging for its bound KV cache (module docstring, 1); the bytes it holds.
-    Raises a clear error where the staging still to allocate exceeds the device's free memory."""
-    bound = []
+def prepare_staging(layers: dict, dtype) -> None:
+    """Every KVarN layer's staging for its bound KV cache (module docstring, 1). Raises a clear
+    error where the staging still to allocate exceeds the device's free memory."""
+    bound = []  # (impl, KV cache, staging bytes)
     for layer in layers.values():
         impl, kv_cache = getattr(layer, "impl", None), getattr(layer, "kv_cache", None)
-        if not hasattr(impl, "kvarn_prepare") or not impl.kvarn_staging_bytes(dtype):
-            continue  # not KVarN, or a sliding-window layer (no staging)
-        if isinstance(kv_cache, torch.Tensor) and kv_cache.numel():
-            bound.append((impl, kv_cache))
-    missing = sum(impl.kvarn_staging_bytes(dtype) for impl, _ in bound if impl.stage is None)
+        size = impl.kvarn_staging_bytes(dtype) if hasattr(impl, "kvarn_prepare") else 0
+        if size and isinstance(kv_cache, torch.Tensor) and kv_cache.numel():  # KVarN, not sliding-window, bound
+            bound.append((impl, kv_cache, size))
+    missing = sum(size for impl, _, size in bound if impl.stage is None)
     if missing and bound[0][1].is_cuda:
         free = torch.cuda.mem_get_info(bound[0][1].device)[0]
         if missing > free:
-            impl = bound[0][0]
-            raise ValueError(f"kvarn: the fp staging ({missing / 2**20:.0f} MiB for {impl.slots} request slots, "
-                             f"one per max_num_seqs) does not fit in the {free / 2**20:.0f} MiB of free device "
-                             "memory; lower max_num_seqs")
-    held = 0
-    for impl, kv_cache in bound:
-        stage = impl.kvarn_prepare(kv_cache, dtype)
-        held += stage.numel() * stage.element_size()
-    return held
+            raise ValueError(f"kvarn: the fp staging ({missing / 2**20:.0f} MiB for {bound[0][0].slots} request "
+                             f"slots, one per max_num_seqs) does not fit in the {free / 2**20:.0f} MiB of free "
+                             "device memory; lower max_num_seqs")
+    for impl, kv_cache, _ in bound:
+        impl.kvarn_prepare(kv_cache, dtype)
 
 
 def _kvarn_builders(runner):

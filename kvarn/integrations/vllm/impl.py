@@ -70,6 +70,8 @@ class KVarNAttentionImpl(AttentionImpl):
                              - self.config.sink_tokens // self.config.tile)
         self.launch_sizes = graph_sizes(vllm_config)  # the builder sizes eager launches by them
         self.max_step_tiles = -(-vllm_config.scheduler_config.max_num_batched_tokens // self.config.tile)
+        self._stage_shape = (self.slots + 1, slot_tokens(self.config, self.spec_tokens), 2, self.num_kv_heads,
+                             self.head_size)
         self.stage: torch.Tensor | None = None  # [slots + 1, L, 2, Hk, D], rotated
         self._cache_ptr: int | None = None
         self._kernels = None  # resolved at the first step (the device is known then)
@@ -139,7 +141,7 @@ class KVarNAttentionImpl(AttentionImpl):
         any graph capture: vLLM's CUDA-graph memory profile then runs with the staging already in
         place and does not count it a second time beside the reserve taken out of the KV budget.
         The layer calls it at every step too, for engines the hook does not reach."""
-        shape = (self.slots + 1, slot_tokens(self.config, self.spec_tokens), 2, self.num_kv_heads, self.head_size)
+        shape = self._stage_shape
         st = self.stage
         if st is None or st.shape != shape or st.dtype != dtype or st.device != kv_cache.device:
             self.stage = None  # the old buffer is freed before the new one is allocated
