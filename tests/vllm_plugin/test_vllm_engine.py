@@ -65,6 +65,37 @@ def test_engine_starts_with_the_kvarn_backend(llm):
         assert layer.impl.stage is not None and layer.impl._cache_ptr == layer.kv_cache.data_ptr()
 
 
+def test_the_staging_survives_a_kv_cache_bound_in_inference_mode_then_one_bound_outside_it(llm):
+    """vLLM's GPU worker binds the minimal KV cache of its graph-memory profile inside inference mode
+    and the served one outside it; the staging allocated at the first bind is zeroed at the second."""
+    import copy
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvarn.integrations.vllm.hooks import _patch_kv_init
+
+    class Runner:  # the two attributes the hook reads, and a bind like vLLM's
+        def __init__(self, layers):
+            self.compilation_config = SimpleNamespace(static_forward_context=layers)
+            self.model_config = SimpleNamespace(dtype=torch.float32)
+
+        def initialize_kv_cache(self, kv_cache):
+            for layer in self.compilation_config.static_forward_context.values():
+                layer.kv_cache = kv_cache
+
+    _patch_kv_init(Runner)
+    impl = copy.copy(_layers(llm)[0].impl)  # the engine's own layer keeps its staging
+    impl.stage, impl._cache_ptr = None, None
+    runner = Runner({"layer": SimpleNamespace(impl=impl, kv_cache=None)})
+    with torch.inference_mode():
+        runner.initialize_kv_cache(torch.zeros(2, 8, dtype=torch.uint8))
+        impl.stage.fill_(1.0)  # the profile's warm-up steps write rows
+    served = torch.zeros(4, 8, dtype=torch.uint8)
+    runner.initialize_kv_cache(served)
+    assert impl._cache_ptr == served.data_ptr() and not impl.stage.any()
+
+
 def _reference_tokens(ids: list[int], n: int) -> list[int]:
     import torch
 

@@ -78,7 +78,10 @@ def _patch_kv_init(runner_cls) -> None:
     @functools.wraps(original)
     def initialize_kv_cache(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        prepare_staging(self.compilation_config.static_forward_context, self.model_config.dtype)
+        # vLLM binds a minimal KV cache for its graph-memory profile inside inference mode and the
+        # served one outside it: the staging must stay an inference tensor that both may update.
+        with torch.inference_mode():
+            prepare_staging(self.compilation_config.static_forward_context, self.model_config.dtype)
         return result
 
     initialize_kv_cache._kvarn = True
