@@ -152,7 +152,6 @@ def run_engine(spec: dict, timeout: int, logs: Path) -> dict:
     except subprocess.TimeoutExpired as e:  # its streams may be bytes even with text=True
         text = (lambda x: x.decode() if isinstance(x, bytes) else (x or ""))
         stdout, stderr = text(e.stdout), text(e.stderr) + f"\nkilled after {timeout} s"
-    logs.mkdir(parents=True, exist_ok=True)
     (logs / f"{name}.log").write_text(stderr)
     line = next((x for x in reversed(stdout.splitlines()) if x.startswith("RESULT ")), None)
     if line is None:
@@ -179,9 +178,13 @@ def compare_probe(ref, got, steps: int) -> dict:
 
 def merge(old: dict, rows: list) -> list:
     """This call's rows over an earlier call's JSON: a row replaces the earlier one of its
-    (scenario, backend) pair; the others stay."""
-    ran = {(r.get("scenario"), r["backend"]) for r in rows}
-    return [r for r in old.get("rows", []) if (r.get("scenario"), r["backend"]) not in ran] + rows
+    (scenario, backend) pair; the others stay. A dead engine's row names all its scenarios
+    ("a,b"), and goes once any of them ran again."""
+    def pairs(r):
+        return {(name, r["backend"]) for name in r.get("scenario", "").split(",")}
+
+    ran = set().union(*map(pairs, rows))
+    return [r for r in old.get("rows", []) if not pairs(r) & ran] + rows
 
 
 def main() -> None:
@@ -222,9 +225,10 @@ def main() -> None:
         ap.error("--skip-default with no --presets runs nothing")
     if not args.scenarios and not (args.spec and args.append and args.presets):
         ap.error("no --scenarios runs only --spec, which needs --append (the probe without it) and a preset")
-    logs = args.logs
     if args.skip_default and not args.append:
         ap.error("--skip-default needs --append: the default backend's rows come from an earlier call's --out")
+    logs = args.logs
+    logs.mkdir(parents=True, exist_ok=True)
     kvarn_backends = [f"kvarn:{p}" for p in args.presets]
     backends = ([] if args.skip_default else ["default"]) + kvarn_backends
     configs = {}  # max_num_seqs -> scenarios
@@ -246,13 +250,12 @@ def main() -> None:
                 probes[backend] = res["probe"]
             if "error" in res:
                 rows.append({"scenario": ",".join(names), "backend": backend, "error": res["error"][-500:]})
-            logs.mkdir(parents=True, exist_ok=True)  # what a call cut short leaves: the rows so far
+            # what a call cut short leaves: the rows so far
             (logs / "partial.json").write_text(json.dumps({"partial": True, "rows": rows}, indent=1))
     if old:
         rows = merge(old, rows)
         stored = logs / "probes.json"
         probes = {**(json.loads(stored.read_text()) if stored.exists() else {}), **probes}
-    logs.mkdir(parents=True, exist_ok=True)
     (logs / "probes.json").write_text(json.dumps(probes))
     logprobs = {b: compare_probe(probes["default"], p, args.logprob_steps)
                 for b, p in probes.items() if b != "default" and "default" in probes}
@@ -280,8 +283,7 @@ def main() -> None:
         spec_result = old.get("spec_decode")
     # An engine that failed is a row with an error (or the speculative run's error).
     deaths = sum("error" in r for r in rows) + bool(spec_result and "error" in spec_result)
-    out = {"meta": meta, "rows": rows, "logprobs": logprobs, "spec_decode": spec_result, "engine_deaths": deaths,
-           }
+    out = {"meta": meta, "rows": rows, "logprobs": logprobs, "spec_decode": spec_result, "engine_deaths": deaths}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     print(f"{meta['device']}, vLLM {meta['vllm']}, {meta['mode']}\n")
