@@ -22,10 +22,13 @@ Run it on the GPU machine with vLLM staged (``../shared/tools/vllm_gpu/README.md
 
     python benchmarks/bench_vllm_gpu.py --out benchmarks/results/vllm_gpu.json
 
-A run too long for one device call splits over consecutive calls of one machine, each merging into
-``--out`` with ``--append`` (a row replaces the earlier row of its scenario and backend), e.g. the
-default backend (``--presets`` with no name), then each preset with ``--skip-default``; with no
-``--scenarios``, ``--spec`` alone against the probe an earlier call stored.
+A run too long for one device call splits over calls, each merging into ``--out`` with
+``--append``. Each call is a run, numbered in ``meta.runs`` with its command, card and date, and
+each row names its ``run``. A row replaces the earlier row of its scenario and backend, and a kvarn
+row's ratios are against the default of its own run (``baseline_run``): with ``--skip-default``
+(on the same machine), against the newest default row of the scenario in ``--out``; a default row
+stays while a kvarn row is measured against it. With no ``--scenarios``, ``--spec`` alone runs
+against the probe an earlier call stored.
 
 Prints a Markdown table and writes JSON; asserts nothing; not run by CI.
 """
@@ -176,15 +179,41 @@ def compare_probe(ref, got, steps: int) -> dict:
             "max_abs_logprob_diff": max(diffs) if diffs else None}
 
 
-def merge(old: dict, rows: list) -> list:
-    """This call's rows over an earlier call's JSON: a row replaces the earlier one of its
-    (scenario, backend) pair; the others stay. A dead engine's row names all its scenarios
-    ("a,b"), and goes once any of them ran again."""
+def merge(old: list, rows: list) -> list:
+    """This call's rows over an earlier call's. A kvarn row replaces the earlier one of its
+    (scenario, backend) pair. An earlier default row stays while a kvarn row is measured against it
+    (its ``baseline_run``), or, with no kvarn row of its scenario, until a default of the scenario
+    runs again. A dead engine's row names all its scenarios ("a,b"), and goes once any of them ran
+    again."""
     def pairs(r):
         return {(name, r["backend"]) for name in r.get("scenario", "").split(",")}
 
     ran = set().union(*map(pairs, rows))
-    return [r for r in old.get("rows", []) if not pairs(r) & ran] + rows
+    kept = [r for r in old if r["backend"] != "default" and not pairs(r) & ran]
+    needed = {(r["scenario"], r.get("baseline_run")) for r in kept + rows}
+    measured = {r["scenario"] for r in kept + rows if r["backend"] != "default"}
+    defaults = [r for r in old if r["backend"] == "default" and ((r["scenario"], r.get("run")) in needed
+                                                                 or not pairs(r) & ran and r["scenario"] not in measured)]
+    return defaults + kept + rows
+
+
+def compare(rows: list, earlier: list) -> None:
+    """Sets this call's rows' ratios: a kvarn row's against the default of its scenario in this call,
+    else in ``earlier`` (the newest run: --skip-default), naming that row's run."""
+    for r in rows:
+        if "tokens_per_s" not in r:
+            continue
+        if r["backend"] == "default":
+            r["vs_default"] = r["capacity_vs_default"] = 1.0
+            continue
+        bases = [x for x in rows + earlier if x.get("scenario") == r["scenario"] and x["backend"] == "default"
+                 and "tokens_per_s" in x]
+        if not bases:
+            continue
+        base = max(bases, key=lambda x: x.get("run", 0))
+        r["baseline_run"] = base.get("run")
+        r["vs_default"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["capacity_vs_default"] = (r["kv_capacity_tokens"] or 0) / max(base["kv_capacity_tokens"] or 1, 1)
 
 
 def main() -> None:
@@ -219,6 +248,7 @@ def main() -> None:
             ap.error(f"--sizes {item!r}: expected SCENARIO=REQUESTSxPROMPT+NEW with SCENARIO in {list(SCENARIOS)}")
         sizes[m.group(1)] = (int(m.group(2)), int(m.group(3)), int(m.group(4)), sizes[m.group(1)][3])
     old = json.loads(args.out.read_text()) if args.append and args.out.exists() else None
+    run = 1 + max((r["run"] for r in old["meta"].get("runs", [])), default=0) if old else 1
     folder = Path(tempfile.mkdtemp(prefix="llama8b_"))
     (folder / "config.json").write_text(json.dumps(LLAMA_8B))
     if args.skip_default and not args.presets:
@@ -245,20 +275,22 @@ def main() -> None:
             capacity[(backend, seqs)] = res.get("kv_capacity_tokens")
             for r in res["rows"]:
                 rows.append({**r, "backend": backend, "max_num_seqs": seqs,
-                             "kv_capacity_tokens": res.get("kv_capacity_tokens")})
+                             "kv_capacity_tokens": res.get("kv_capacity_tokens"), "run": run})
             if res.get("probe"):
-                probes[backend] = res["probe"]
+                probes[backend] = {"run": run, "probe": res["probe"]}
             if "error" in res:
-                rows.append({"scenario": ",".join(names), "backend": backend, "error": res["error"][-500:]})
+                rows.append({"scenario": ",".join(names), "backend": backend, "error": res["error"][-500:], "run": run})
             # what a call cut short leaves: the rows so far
             (logs / "partial.json").write_text(json.dumps({"partial": True, "rows": rows}, indent=1))
+    compare(rows, old["rows"] if old and args.skip_default else [])
     if old:
-        rows = merge(old, rows)
+        rows = merge(old["rows"], rows)
         stored = logs / "probes.json"
         probes = {**(json.loads(stored.read_text()) if stored.exists() else {}), **probes}
     (logs / "probes.json").write_text(json.dumps(probes))
-    logprobs = {b: compare_probe(probes["default"], p, args.logprob_steps)
-                for b, p in probes.items() if b != "default" and "default" in probes}
+    logprobs = {**(old or {}).get("logprobs", {}),
+                **{b: {**compare_probe(probes["default"]["probe"], p["probe"], args.logprob_steps), "run": p["run"]}
+                   for b, p in probes.items() if b != "default" and "default" in probes}}
     spec_result = None
     if args.spec and kvarn_backends:
         seqs = min(configs) if configs else SCENARIOS["equal_load"][3]
@@ -267,18 +299,16 @@ def main() -> None:
                 "gpu_memory_utilization": args.gpu_memory_utilization, "probe": True}
         res = run_engine({**base, "spec_decode": True}, args.timeout, logs)
         if res.get("probe") and kvarn_backends[0] in probes:
-            spec_result = {"backend": kvarn_backends[0], **compare_probe(probes[kvarn_backends[0]], res["probe"], 0)}
+            spec_result = {"backend": kvarn_backends[0], "run": run,
+                           **compare_probe(probes[kvarn_backends[0]]["probe"], res["probe"], 0)}
         else:
-            spec_result = {"backend": kvarn_backends[0], "error": res.get("error", "no probe")[-500:]}
-    for r in rows:
-        base = next((x for x in rows if x.get("scenario") == r.get("scenario") and x["backend"] == "default"
-                     and "tokens_per_s" in x), None)
-        if base and "tokens_per_s" in r:
-            r["vs_default"] = r["tokens_per_s"] / base["tokens_per_s"]
-            r["capacity_vs_default"] = (r["kv_capacity_tokens"] or 0) / max(base["kv_capacity_tokens"] or 1, 1)
-    meta = {"device": torch.cuda.get_device_name(0), "vllm": vllm.__version__, "torch": torch.__version__,
+            spec_result = {"backend": kvarn_backends[0], "run": run, "error": res.get("error", "no probe")[-500:]}
+    device = torch.cuda.get_device_name(0)
+    meta = {"device": device, "vllm": vllm.__version__, "torch": torch.__version__,
             "model": "Llama-3.1-8B shape, dummy weights, bf16", "mode": "torch.compile + CUDA graphs (default)",
-            "gpu_memory_utilization": args.gpu_memory_utilization, "date": time.strftime("%Y-%m-%d")}
+            "gpu_memory_utilization": args.gpu_memory_utilization, "date": time.strftime("%Y-%m-%d"),
+            "runs": (old["meta"].get("runs", []) if old else [])
+            + [{"run": run, "command": "python " + " ".join(sys.argv), "device": device, "date": time.strftime("%Y-%m-%d")}]}
     if old and spec_result is None:
         spec_result = old.get("spec_decode")
     # An engine that failed is a row with an error (or the speculative run's error).
@@ -287,14 +317,14 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
     print(f"{meta['device']}, vLLM {meta['vllm']}, {meta['mode']}\n")
-    print("| scenario | backend | requests | finished | tokens/s | vs default | KV capacity (tokens) | vs default | "
+    print("| run | scenario | backend | requests | finished | tokens/s | vs default | KV capacity (tokens) | vs default | "
           "max running | compiles in service |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "tokens_per_s" not in r:
-            print(f"| {r['scenario']} | {r['backend']} | error: engine died | | | | | | | |")
+            print(f"| {r.get('run', '-')} | {r['scenario']} | {r['backend']} | error: engine died | | | | | | | |")
             continue
-        print(f"| {r['scenario']} | {r['backend']} | {r['requests']} x ({r['prompt_tokens']} + {r['new_tokens']}) | "
+        print(f"| {r.get('run', '-')} | {r['scenario']} | {r['backend']} | {r['requests']} x ({r['prompt_tokens']} + {r['new_tokens']}) | "
               f"{r['finished']} | {r['tokens_per_s']:.0f} | {r.get('vs_default', 1):.2f}x | {r['kv_capacity_tokens']} | "
               f"{r.get('capacity_vs_default', 1):.2f}x | {r['max_running']} | {r.get('compiles_in_service', '-')} |")
     print(f"\nlogprobs vs default (first {args.logprob_steps} steps): {json.dumps(logprobs)}")
