@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvarn.config import PRESETS
+from kvarn.integrations.vllm.hooks import records_budget
 from kvarn.integrations.vllm.plan import build_plan, padding_plan
 from kvarn.integrations.vllm.settings import is_requested, kv_cache_dtype_names, settings_from_vllm_config
 from kvarn.integrations.vllm.staging import StagingPool, slot_tokens, staging_bytes
@@ -217,6 +218,17 @@ def test_pool_gives_every_running_request_a_slot_and_reuses_freed_ones():
 def test_staging_bytes_counts_sink_tail_and_draft_rows():
     assert slot_tokens(CFG, 0) == S + G and slot_tokens(CFG, 4) == S + G + 4
     assert staging_bytes(3, CFG, 0, HK, D, torch.bfloat16) == 4 * (S + G) * 2 * HK * D * 2
+
+
+def test_the_budget_leaves_the_records_what_the_staging_does_not_take(caplog):
+    mib = 2**20
+    with caplog.at_level("WARNING", logger="kvarn.integrations.vllm.hooks"):
+        assert records_budget(10 * mib, 100 * mib, 64) == 90 * mib
+        assert not caplog.records  # a tenth of the budget: nothing to say
+        assert records_budget(60 * mib, 100 * mib, 1024) == 40 * mib
+    assert "max_num_seqs=1024" in caplog.text and "60%" in caplog.text
+    with pytest.raises(ValueError, match=r"100 MiB for max_num_seqs=1024\) does not fit .* \(100 MiB\)"):
+        records_budget(100 * mib, 100 * mib, 1024)
 
 
 class _Spec:

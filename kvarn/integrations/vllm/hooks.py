@@ -46,6 +46,28 @@ def staging_reserve_bytes(vllm_config, dtype) -> int:
     return sum(impl.kvarn_staging_bytes(dtype) for impl in impls if hasattr(impl, "kvarn_staging_bytes"))
 
 
+# Past this share of vLLM's KV budget the staging, not the records, decides the capacity: a warning
+# names the knob (vLLM's default max_num_seqs is 1024 on an H100: 32 GiB of staging for an 8B model).
+STAGING_WARN_SHARE = 0.25
+
+
+def records_budget(reserve: int, available: int, max_num_seqs: int) -> int:
+    """Bytes of vLLM's KV budget left for the records once the fp staging is reserved; an error if
+    the staging does not fit, a warning if it takes more than STAGING_WARN_SHARE of it."""
+    if reserve >= available:
+        raise ValueError(
+            f"kvarn: the fp staging ({reserve / 2**20:.0f} MiB for max_num_seqs={max_num_seqs}) does not fit "
+            f"in the KV cache budget ({available / 2**20:.0f} MiB); lower max_num_seqs or raise the KV cache memory")
+    logger.info("kvarn: %.1f MiB of the %.1f MiB KV budget reserved for fp sink/tail staging",
+                reserve / 2**20, available / 2**20)
+    if reserve > STAGING_WARN_SHARE * available:
+        logger.warning(
+            "kvarn: the fp staging of max_num_seqs=%d requests takes %.0f%% of the KV cache budget, which "
+            "leaves the compressed records less room; set max_num_seqs (or the kvarn key staging_slots) to "
+            "the concurrency you serve", max_num_seqs, 100 * reserve / available)
+    return available - reserve
+
+
 def _patch_budget(worker_cls) -> None:
     original = worker_cls.determine_available_memory
     if getattr(original, "_kvarn", False):
@@ -56,15 +78,9 @@ def _patch_budget(worker_cls) -> None:
         available = original(self)
         self.kvarn_kv_budget_bytes = available  # what vLLM granted, for capacity checks
         reserve = staging_reserve_bytes(self.vllm_config, self.model_config.dtype)
-        if reserve:
-            if reserve >= available:
-                raise ValueError(
-                    f"kvarn: the fp staging ({reserve / 2**20:.0f} MiB for max_num_seqs="
-                    f"{self.vllm_config.scheduler_config.max_num_seqs}) does not fit in the KV cache budget "
-                    f"({available / 2**20:.0f} MiB); lower max_num_seqs or raise the KV cache memory")
-            logger.info("kvarn: %.1f MiB of the %.1f MiB KV budget reserved for fp sink/tail staging",
-                        reserve / 2**20, available / 2**20)
-        return available - reserve
+        if not reserve:
+            return available
+        return records_budget(reserve, available, self.vllm_config.scheduler_config.max_num_seqs)
 
     determine_available_memory._kvarn = True
     worker_cls.determine_available_memory = determine_available_memory
