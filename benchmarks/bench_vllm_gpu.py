@@ -264,15 +264,15 @@ def main() -> None:
     configs = {}  # max_num_seqs -> scenarios
     for name in args.scenarios:
         configs.setdefault(sizes[name][3], []).append(name)
-    rows, capacity, probes = [], {}, {}
+    rows, probes = [], {}
+    probe_len = max(sum(PROBE[1:]), sum(WARM[1:]))  # every engine runs the warm-up, a probing one the probe
     for seqs, names in sorted(configs.items()):
         longest = max(sizes[n][1] + sizes[n][2] for n in names)
         for backend in backends:
             spec = {"model": str(folder), "backend": backend, "scenarios": names, "sizes": sizes,
-                    "max_num_seqs": seqs, "max_model_len": max(longest, sum(PROBE[1:]), sum(WARM[1:])) + 16,
+                    "max_num_seqs": seqs, "max_model_len": max(longest, probe_len) + 16,
                     "gpu_memory_utilization": args.gpu_memory_utilization, "probe": seqs == min(configs)}
             res = run_engine(spec, args.timeout, logs)
-            capacity[(backend, seqs)] = res.get("kv_capacity_tokens")
             for r in res["rows"]:
                 rows.append({**r, "backend": backend, "max_num_seqs": seqs,
                              "kv_capacity_tokens": res.get("kv_capacity_tokens"), "run": run})
@@ -295,7 +295,7 @@ def main() -> None:
     if args.spec and kvarn_backends:
         seqs = min(configs) if configs else SCENARIOS["equal_load"][3]
         base = {"model": str(folder), "backend": kvarn_backends[0], "scenarios": [], "sizes": sizes, "max_num_seqs": seqs,
-                "max_model_len": max(sum(PROBE[1:]), sum(WARM[1:])) + 16,
+                "max_model_len": probe_len + 16,
                 "gpu_memory_utilization": args.gpu_memory_utilization, "probe": True}
         res = run_engine({**base, "spec_decode": True}, args.timeout, logs)
         if res.get("probe") and kvarn_backends[0] in probes:
@@ -303,12 +303,12 @@ def main() -> None:
                            **compare_probe(probes[kvarn_backends[0]]["probe"], res["probe"], 0)}
         else:
             spec_result = {"backend": kvarn_backends[0], "run": run, "error": res.get("error", "no probe")[-500:]}
-    device = torch.cuda.get_device_name(0)
+    device, today = torch.cuda.get_device_name(0), time.strftime("%Y-%m-%d")
     meta = {"device": device, "vllm": vllm.__version__, "torch": torch.__version__,
             "model": "Llama-3.1-8B shape, dummy weights, bf16", "mode": "torch.compile + CUDA graphs (default)",
-            "gpu_memory_utilization": args.gpu_memory_utilization, "date": time.strftime("%Y-%m-%d"),
+            "gpu_memory_utilization": args.gpu_memory_utilization, "date": today,
             "runs": (old["meta"].get("runs", []) if old else [])
-            + [{"run": run, "command": "python " + " ".join(sys.argv), "device": device, "date": time.strftime("%Y-%m-%d")}]}
+            + [{"run": run, "command": "python " + " ".join(sys.argv), "device": device, "date": today}]}
     if old and spec_result is None:
         spec_result = old.get("spec_decode")
     # An engine that failed is a row with an error (or the speculative run's error).
